@@ -1,0 +1,50 @@
+"""The `berth` command line: one entry point, one module per command.
+
+Each command lives in the room it belongs to and exposes `add_arguments(parser)` and
+`run(args) -> int`. Only the chosen command's module is imported, so `berth operator` never
+pays for torch and `berth --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-tiny-model": ("berth.engine.models.tiny_model", "write a small random-weight checkpoint"),
+    "generate": ("berth.engine.generate_cli", "generate text from prompts with the LLM API"),
+    "serve": ("berth.engine.serve.cli", "run the OpenAI-compatible server"),
+    "launch": ("berth.engine.launch", "cluster entry point: mpirun the world, serve it"),
+    "bench": ("berth.engine.bench.cli", "benchmarks: throughput, serve"),
+    "operator": ("berth.operator.cli", "run the Kubernetes operator (kopf)"),
+}
+
+
+def _top_level_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="berth", description="Run LLM inference engines on Kubernetes.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _version() -> str:
+    from berth import __version__
+
+    return f"berth {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        _top_level_parser().parse_args(argv or ["--help"])
+        return 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"berth {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)

@@ -1,0 +1,1 @@
+"""berth.engine: the LLM inference engine."""

@@ -1,0 +1,110 @@
+"""The engine's hot operations behind one interface.
+
+Model code calls these functions and never knows which implementation runs: Triton kernels
+for CUDA tensors, the torch reference for everything else. `set_backend("torch" | "triton")`
+(or `BERTH_KERNEL_BACKEND`) overrides the choice, e.g. to run the Triton kernels on CPU
+tensors under `TRITON_INTERPRET=1` in tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+from berth.kernels import reference
+from berth.kernels.metadata import AttentionMetadata
+from berth.kernels.rope import rope_cos_sin_cache
+
+__all__ = [
+    "AttentionMetadata",
+    "get_backend",
+    "paged_attention",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "set_backend",
+    "silu_and_mul",
+    "use_backend",
+    "write_kv_cache",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+_backend = os.environ.get("BERTH_KERNEL_BACKEND", "auto")
+
+
+def set_backend(name: str) -> None:
+    """Force a backend ("torch", "triton") or restore device-based selection ("auto")."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    previous = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def _implementation(tensor: torch.Tensor) -> ModuleType:
+    name = _backend
+    if name == "auto":
+        name = "triton" if tensor.is_cuda else "torch"
+    if name == "torch":
+        return reference
+    from berth.kernels import triton_ops  # imported lazily: triton is an optional dependency
+
+    return triton_ops
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
+    return _implementation(x).rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Rotates query [T, Hq, D] and key [T, Hk, D] in place for `positions` [T]."""
+    _implementation(query).rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] (gate | up) -> silu(gate) * up, [T, I]."""
+    return _implementation(x).silu_and_mul(x)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatters key/value [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at `slot_mapping`."""
+    _implementation(key).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the new tokens (query [T, Hq, D]) over their sequences' paged cache."""
+    return _implementation(query).paged_attention(query, key_cache, value_cache, metadata, scale)

@@ -1,0 +1,1 @@
+"""berth.operator: the Kubernetes operator for LLMDeployment."""
