@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml setup.py constraints-cpu.txt
 
 demo: venv
 	$(BIN)/berth make-tiny-model $(MODEL)
-	$(BIN)/python examples/generate.py $(MODEL)
+	$(BIN)/berth generate $(MODEL) --prompt "The capital of France is" --max-tokens 32
 
 test: venv
 	$(BIN)/python -m pytest -q

@@ -26,7 +26,7 @@ def _top_level_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="berth", description="Run LLM inference engines on Kubernetes.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 

@@ -1,1 +1,26 @@
-"""berth.engine: the LLM inference engine."""
+"""berth.engine: the LLM inference engine.
+
+The public names are imported lazily, so `import berth.engine.<room>` stays cheap.
+"""
+
+from __future__ import annotations
+
+_EXPORTS = {
+    "LLM": "berth.engine.llm",
+    "SamplingParams": "berth.engine.sampling_params",
+    "RequestOutput": "berth.engine.outputs",
+    "CompletionOutput": "berth.engine.outputs",
+    "EngineConfig": "berth.engine.config",
+    "EngineDeadError": "berth.engine.executor.errors",
+    "RequestError": "berth.engine.executor.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'berth.engine' has no attribute {name!r}")

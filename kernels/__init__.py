@@ -33,15 +33,22 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton")
-_backend = os.environ.get("BERTH_KERNEL_BACKEND", "auto")
+
+
+def _checked(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r} ({source})")
+    return name
+
+
+# A typo in the environment must fail loudly, not silently fall back to a default.
+_backend = _checked(os.environ.get("BERTH_KERNEL_BACKEND", "auto"), "from BERTH_KERNEL_BACKEND")
 
 
 def set_backend(name: str) -> None:
     """Force a backend ("torch", "triton") or restore device-based selection ("auto")."""
     global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
-    _backend = name
+    _backend = _checked(name, "from set_backend")
 
 
 def get_backend() -> str:

@@ -62,36 +62,70 @@ def paged_attention(
     md = metadata
     out = torch.empty_like(query)
     if md.num_prefills:
-        _attend_padded(query, key_cache, value_cache, md, scale, 0, md.num_prefills, md.max_query_len, out)
+        _attend_prefills(query, key_cache, value_cache, md, scale, out)
     if md.num_decodes:
-        _attend_padded(query, key_cache, value_cache, md, scale, md.num_prefills, md.num_seqs, 1, out)
+        _attend_decodes(query, key_cache, value_cache, md, scale, out)
     return out
 
 
-def _attend_padded(query, key_cache, value_cache, md, scale, first, last, max_query_len, out) -> None:
-    """Pads sequences [first, last) to a dense batch, runs SDPA with a causal + length mask."""
-    block_size = key_cache.shape[1]
-    starts = md.query_start_loc[first:last].long()
-    query_lens = md.query_start_loc[first + 1 : last + 1].long() - starts
-    seq_lens = md.seq_lens[first:last].long()
-    max_seq_len = md.max_seq_len
+def _gather(
+    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int
+) -> torch.Tensor:
+    """The sequences' cached tokens as a dense [B, Hk, S, D] tensor, zero past each sequence's end."""
+    block_size = cache.shape[1]
     num_blocks = -(-max_seq_len // block_size)
-    block_table = md.block_tables[first:last, :num_blocks].long()
+    table = block_tables[:, :num_blocks].long()
+    # index_select on the flat table is several times faster on CPU than advanced indexing.
+    dense = cache.index_select(0, table.flatten())
+    dense = dense.view(table.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :max_seq_len]
+    # Slots past a sequence's end hold stale or never-written data (NaN in a fresh torch.empty
+    # cache), and a masked-out score still multiplies its value: zero them (in place, on the copy).
+    past_end = torch.arange(max_seq_len, device=cache.device)[None] >= seq_lens[:, None]
+    dense.masked_fill_(past_end[:, :, None, None], 0)
+    return dense.transpose(1, 2)
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        dense = cache[block_table].flatten(1, 2)[:, :max_seq_len]  # [B, S, Hk, D]
-        return dense.transpose(1, 2)  # [B, Hk, S, D]
 
-    steps = torch.arange(max_query_len, device=query.device)
+def _attend_decodes(query, key_cache, value_cache, md, scale, out) -> None:
+    """One query token per sequence: a dense batch with a length mask."""
+    first = md.num_prefills
+    tokens = slice(md.num_prefill_tokens, md.num_prefill_tokens + md.num_decodes)
+    seq_lens = md.seq_lens[first:].long()
+    max_seq_len = md.max_seq_len
+    block_tables = md.block_tables[first:]
+    mask = torch.arange(max_seq_len, device=query.device)[None] < seq_lens[:, None]  # [B, S]
+    attended = F.scaled_dot_product_attention(
+        query[tokens].unsqueeze(2),  # [B, Hq, 1, D]
+        _gather(key_cache, block_tables, seq_lens, max_seq_len),
+        _gather(value_cache, block_tables, seq_lens, max_seq_len),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[tokens] = attended.squeeze(2)
+
+
+def _attend_prefills(query, key_cache, value_cache, md, scale, out) -> None:
+    """Several query tokens per sequence: pad queries and keys, mask causally and by length."""
+    last = md.num_prefills
+    starts = md.query_start_loc[:last].long()
+    query_lens = md.query_start_loc[1 : last + 1].long() - starts
+    seq_lens = md.seq_lens[:last].long()
+    max_seq_len = max(int(seq_lens.max()), 1)
+    steps = torch.arange(md.max_query_len, device=query.device)
     valid = steps[None] < query_lens[:, None]  # [B, Q]
     token_index = torch.where(valid, starts[:, None] + steps[None], 0)
-    q = query[token_index].transpose(1, 2)  # [B, Hq, Q, D]
     query_positions = (seq_lens - query_lens)[:, None] + steps[None]  # [B, Q]
     key_positions = torch.arange(max_seq_len, device=query.device)
     mask = (key_positions[None, None] <= query_positions[:, :, None]) & (
         key_positions[None, None] < seq_lens[:, None, None]
     )
+    block_tables = md.block_tables[:last]
     attended = F.scaled_dot_product_attention(
-        q, gather(key_cache), gather(value_cache), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+        query[token_index].transpose(1, 2),  # [B, Hq, Q, D]
+        _gather(key_cache, block_tables, seq_lens, max_seq_len),
+        _gather(value_cache, block_tables, seq_lens, max_seq_len),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
     )
     out[token_index[valid]] = attended.transpose(1, 2)[valid]

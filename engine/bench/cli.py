@@ -1,0 +1,26 @@
+"""`berth bench {throughput,serve}`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+
+BENCHMARKS = {
+    "throughput": ("berth.engine.bench.throughput", "offline throughput: berth vs transformers generate"),
+    "serve": ("berth.engine.bench.serve", "load-test a running OpenAI-compatible server"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, (module, help_text) in BENCHMARKS.items():
+        if importlib.util.find_spec(module) is None:
+            continue
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        bench_parser.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(bench_parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    return importlib.import_module(args._module).run(args)

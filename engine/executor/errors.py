@@ -1,0 +1,23 @@
+"""The two kinds of failure: one request's, and the engine's."""
+
+from __future__ import annotations
+
+
+class RequestError(RuntimeError):
+    """Fails one request; the engine goes on serving the others.
+
+    `code` says what kind of problem it is, so a server can answer with the right status:
+    "invalid_request" (bad input), "too_long" (can never fit the model or the KV cache),
+    "admission_closed" (the engine is not admitting requests now: sleeping, draining).
+    """
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self):  # keep `code` across pickling (errors cross process boundaries)
+        return (type(self), (str(self), self.code))
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has died: no request can complete. Every pending and later request gets this."""

@@ -1,0 +1,1 @@
+"""Model definitions written for this engine, and loading them from Hugging Face checkpoints."""

@@ -1,0 +1,186 @@
+"""`berth make-tiny-model DIR`: a small random-weight checkpoint in Hugging Face format.
+
+Tests and the demo need a real checkpoint without a hub download: this writes a Llama or
+Qwen2 model with random weights and a byte-level BPE tokenizer trained on a built-in corpus
+(all 256 bytes are in its alphabet, so no text is out of vocabulary). The same seed gives
+the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Large language models generate text one token at a time, and an inference engine batches many
+requests together so that every step of the model serves as many users as the memory allows.
+Kubernetes operators reconcile the desired state written in a resource with the actual state of
+the cluster: they create pods, watch their health and restart what has failed.
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(i, add(i, i))
+Hello, world! This tokenizer was trained offline, for tests, on a few paragraphs of plain text.
+The paged key-value cache stores attention keys and values in fixed-size blocks; a block table maps
+each sequence's positions to the blocks it owns, so memory is never wasted on padding.
+When the pool of blocks runs short, the scheduler preempts a request and recomputes it later.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1000 3.14159 2.71828. Punctuation: ; : , . ! ? ( ) [ ] { }.
+"""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, "<|im_start|>", "<|im_end|>"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", type=Path, help="where to write the checkpoint")
+    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="qwen2 adds QKV bias")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--intermediate-size", type=int, default=None, help="default: 2 x hidden size")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2, help="fewer than --heads for GQA")
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--max-position-embeddings", type=int, default=1024)
+    parser.add_argument("--rope-theta", type=float, default=10000.0)
+    parser.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--init-std",
+        type=float,
+        default=0.25,
+        help="weight init std; large enough that greedy choices are decisive, not near-ties",
+    )
+    parser.add_argument("--max-shard-size", default=None, help="e.g. 200KB to write a sharded checkpoint")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("layers", "hidden_size", "heads", "kv_heads", "vocab_size", "max_position_embeddings"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"berth make-tiny-model: --{name.replace('_', '-')} must be positive")
+    if args.hidden_size % args.heads or args.heads % args.kv_heads:
+        raise SystemExit("berth make-tiny-model: --hidden-size must divide by --heads, --heads by --kv-heads")
+    if args.vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise SystemExit(f"berth make-tiny-model: --vocab-size must be at least {256 + len(SPECIAL_TOKENS)}")
+    make_tiny_model(
+        args.directory,
+        arch=args.arch,
+        num_layers=args.layers,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=args.rope_theta,
+        tie_word_embeddings=args.tie_word_embeddings,
+        init_std=args.init_std,
+        max_shard_size=args.max_shard_size,
+        seed=args.seed,
+    )
+    print(f"wrote a tiny {args.arch} checkpoint to {args.directory}")
+    return 0
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on CORPUS, wrapped for `transformers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=1 << 20,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_tiny_model(
+    directory: str | os.PathLike,
+    *,
+    arch: str = "llama",
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int | None = None,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 1024,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    tie_word_embeddings: bool = True,
+    init_std: float = 0.25,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+) -> Path:
+    """Writes the checkpoint and returns its directory."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    directory = Path(directory)
+    tokenizer = build_tokenizer(vocab_size)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        initializer_range=init_std,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
+    if arch == "llama":
+        config, model_class = LlamaConfig(**common, rope_parameters=rope), LlamaForCausalLM
+    elif arch == "qwen2":
+        config, model_class = Qwen2Config(**common, rope_parameters=rope), Qwen2ForCausalLM
+    else:
+        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        # Norm weights start at 1 and biases at 0 in HF init; random ones exercise the loader.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                param.normal_(0.0, init_std)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **save_kwargs)
+    tokenizer.save_pretrained(directory)
+    return directory

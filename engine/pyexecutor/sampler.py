@@ -1,0 +1,95 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, seeds, log-probabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from berth.engine.executor.response import TokenLogprobs
+from berth.engine.pyexecutor.llm_request import LlmRequest
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor, requests: list[LlmRequest]) -> SampleOutput:
+        """One token per row of `logits` [R, V] (float32), for `requests[r]`."""
+        params = [r.params for r in requests]
+        greedy = [p.greedy for p in params]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            tokens = torch.where(
+                torch.tensor(greedy, device=logits.device), tokens, self._random(logits, requests)
+            )
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            self._logprobs(logits, tokens, params, wanted, token_list, logprobs)
+        return SampleOutput(token_list, logprobs)
+
+    def _random(self, logits: torch.Tensor, requests: list[LlmRequest]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        device = logits.device
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        scaled = logits / temperature[:, None]
+        top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = _apply_top_k_top_p(
+                scaled, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)
+            )
+        probs = scaled.softmax(dim=-1)
+        seeded = [i for i, r in enumerate(requests) if r.seed is not None]
+        unseeded = [i for i, r in enumerate(requests) if r.seed is None]
+        sampled = torch.empty(len(requests), dtype=torch.long, device=device)
+        if unseeded:
+            rows = torch.tensor(unseeded, device=device)
+            sampled[rows] = torch.multinomial(probs[rows], 1, generator=self._generator(device)).squeeze(1)
+        for i in seeded:
+            request = requests[i]
+            if request.generator is None or request.generator.device != device:
+                request.generator = torch.Generator(device=device).manual_seed(request.seed)
+            sampled[i] = torch.multinomial(probs[i], 1, generator=request.generator)[0]
+        return sampled
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generators[device]
+
+    @staticmethod
+    def _logprobs(logits, tokens, params, wanted, token_list, out) -> None:
+        """Log-probabilities of the model's raw distribution (before temperature and filters)."""
+        rows = torch.tensor(wanted, device=logits.device)
+        logprobs = logits[rows].log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[rows][:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        k = max(params[i].logprobs for i in wanted)
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        chosen_list, rank_list = chosen.squeeze(1).tolist(), ranks.tolist()
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs
+            out[i] = (chosen_list[j], rank_list[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks (to -inf) tokens outside each row's top-k, then outside its top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    mask = ranks[None] >= top_k[:, None]
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    # Mass strictly before each token: the most likely token is always kept.
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask |= mass_before > top_p[:, None]
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(mask, float("-inf")))

@@ -1,0 +1,61 @@
+"""The kernel interface implemented with Triton: same signatures and semantics as `reference`.
+
+Each function validates nothing beyond what the kernels need and launches the kernels in
+`berth.kernels.triton_kernels`; the torch reference stays the definition of correct.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from berth.kernels.metadata import AttentionMetadata
+from berth.kernels.triton_kernels.activation import silu_and_mul
+from berth.kernels.triton_kernels.attention_decode import decode_attention
+from berth.kernels.triton_kernels.attention_prefill import prefill_attention
+from berth.kernels.triton_kernels.kv_cache import write_kv_cache
+from berth.kernels.triton_kernels.rms_norm import rms_norm
+from berth.kernels.triton_kernels.rope import rotary_embedding
+
+__all__ = ["paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]."""
+    md = metadata
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("KV caches need a unit stride on the head dim")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    # Prefills come first in the batch, decodes after: two launches over disjoint rows of `out`.
+    if md.num_prefills:
+        prefill_attention(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            md.query_start_loc[: md.num_prefills + 1],
+            md.seq_lens[: md.num_prefills],
+            md.block_tables[: md.num_prefills],
+            md.num_prefill_tokens,
+            scale,
+        )
+    if md.num_decodes:
+        decode_attention(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            md.query_start_loc[md.num_prefills : md.num_seqs],
+            md.seq_lens[md.num_prefills :],
+            md.block_tables[md.num_prefills :],
+            md.max_seq_len,
+            scale,
+        )
+    return out

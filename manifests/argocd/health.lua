@@ -1,0 +1,59 @@
+-- Argo CD health check for berth.dev/LLMDeployment (Argo CD runs it with gopher-lua: Lua 5.1).
+-- Healthy: Ready and the operator has seen the current generation. Progressing: a new spec
+-- not reconciled yet, worlds starting or restarting. Suspended: every engine sleeps (as Argo
+-- CD shows a stopped KServe service). Degraded: a world used up its restarts (the message
+-- carries the engine's own error) or the spec is invalid.
+local hs = { status = "Progressing", message = "Waiting for the berth operator" }
+if obj.status == nil then
+  return hs
+end
+
+local function condition(kind)
+  if obj.status.conditions == nil then
+    return nil
+  end
+  for _, c in ipairs(obj.status.conditions) do
+    if c.type == kind then
+      return c
+    end
+  end
+  return nil
+end
+
+local generation = nil
+if obj.metadata ~= nil then
+  generation = obj.metadata.generation
+end
+if generation ~= nil and (obj.status.observedGeneration == nil or obj.status.observedGeneration < generation) then
+  hs.message = "Waiting for the operator to reconcile generation " .. tostring(generation)
+  return hs
+end
+
+local degraded = condition("Degraded")
+if degraded ~= nil and degraded.status == "True" then
+  hs.status = "Degraded"
+  hs.message = degraded.message or degraded.reason or "Degraded"
+  return hs
+end
+
+local sleeping = condition("Sleeping")
+if sleeping ~= nil and sleeping.status == "True" then
+  hs.status = "Suspended"
+  hs.message = sleeping.message or "Sleeping"
+  return hs
+end
+
+local ready = condition("Ready")
+if ready ~= nil and ready.status == "True" then
+  hs.status = "Healthy"
+  hs.message = ready.message or "Ready"
+  return hs
+end
+
+local progressing = condition("Progressing")
+if progressing ~= nil and progressing.message ~= nil and progressing.message ~= "" then
+  hs.message = progressing.message
+elseif ready ~= nil and ready.message ~= nil then
+  hs.message = ready.message
+end
+return hs

@@ -1,0 +1,140 @@
+"""The LLMDeployment's conditions and phase, summarised from its worlds.
+
+Conditions follow metav1.Condition (type, status, reason, message, lastTransitionTime,
+observedGeneration). Messages say which world and what to do, because `kubectl describe`
+and Argo CD show them to someone who has to act.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from berth.operator.restarts import format_time
+
+CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "Sleeping")
+PARKED_STATES = ("parking", "parked")
+
+
+def _condition(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def _describe(worlds: Sequence[Mapping[str, Any]], phases: Sequence[str]) -> str:
+    return "; ".join(
+        f"world {world['index']} {world.get('phase')}: {world.get('message', '')}"
+        for world in worlds
+        if world.get("phase") in phases
+    )
+
+
+def summarise(
+    worlds: Sequence[Mapping[str, Any]], desired: int, invalid_spec: str | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """(conditions without timestamps, phase) for the given world statuses."""
+    if invalid_spec is not None:
+        return [
+            _condition("Ready", False, "InvalidSpec", "the spec cannot be deployed; see Degraded"),
+            _condition("Available", False, "InvalidSpec", "no world is built from an invalid spec"),
+            _condition("Progressing", False, "InvalidSpec", "waiting for a corrected spec"),
+            _condition("Degraded", True, "InvalidSpec", f"fix the LLMDeployment's spec: {invalid_spec}"),
+            _condition("Sleeping", False, "InvalidSpec", "no world runs"),
+        ], "Degraded"
+
+    ready = [world for world in worlds if world.get("phase") == "Ready"]
+    failed = [world for world in worlds if world.get("phase") == "Failed"]
+    starting = [world for world in worlds if world.get("phase") not in ("Ready", "Failed")]
+    parked = [world for world in worlds if world.get("admission") in PARKED_STATES]
+    counts = f"{len(ready)}/{desired} worlds ready"
+
+    if desired == 0:
+        conditions = [
+            _condition("Ready", True, "ScaledToZero", "replicas is 0: no world is wanted"),
+            _condition("Available", False, "ScaledToZero", "replicas is 0: the endpoint has no backend"),
+            _condition("Progressing", False, "ScaledToZero", "nothing to do"),
+            _condition("Degraded", False, "ScaledToZero", "nothing runs"),
+            _condition("Sleeping", False, "ScaledToZero", "nothing runs"),
+        ]
+        return conditions, "Ready"
+
+    all_ready = len(ready) == desired and len(worlds) >= desired
+    conditions = [
+        _condition("Ready", all_ready, "AllWorldsReady" if all_ready else "WorldsNotReady", counts),
+        _condition(
+            "Available",
+            bool(ready),
+            "MinimumWorldsReady" if ready else "NoWorldReady",
+            f"{counts}; the endpoint serves from {len(ready)} world(s)"
+            if ready
+            else f"{counts}; requests fail",
+        ),
+    ]
+    if starting:
+        restarting = any(world.get("phase") in ("Restarting", "BackingOff") for world in starting)
+        conditions.append(
+            _condition(
+                "Progressing",
+                True,
+                "WorldRestarting" if restarting else "WorldsStarting",
+                _describe(starting, [world.get("phase") for world in starting]),
+            )
+        )
+    else:
+        conditions.append(_condition("Progressing", False, "WorldsSettled", counts))
+    if failed:
+        conditions.append(
+            _condition("Degraded", True, "RestartBudgetExhausted", _describe(failed, ["Failed"]))
+        )
+    else:
+        conditions.append(
+            _condition("Degraded", False, "RestartBudgetAvailable", "no world has used up its restarts")
+        )
+    sleeping = len(parked) == desired
+    conditions.append(
+        _condition(
+            "Sleeping",
+            sleeping,
+            "EnginesParked" if sleeping else "Awake",
+            f"{len(parked)}/{desired} engines parked "
+            "(device memory released; GPUs stay allocated to the pods)",
+        )
+    )
+
+    if failed:
+        phase = "Degraded"
+    elif sleeping:
+        phase = "Sleeping"
+    elif all_ready:
+        phase = "Ready"
+    elif any(world.get("phase") not in ("Pending",) for world in worlds):
+        phase = "Progressing"
+    else:
+        phase = "Pending"
+    return conditions, phase
+
+
+def merge_conditions(
+    previous: Sequence[Mapping[str, Any]] | None,
+    current: Sequence[Mapping[str, Any]],
+    now: dt.datetime,
+    generation: int | None,
+) -> list[dict[str, Any]]:
+    """Stamp lastTransitionTime, keeping the old one where the status did not change."""
+    before = {condition.get("type"): condition for condition in previous or []}
+    merged = []
+    for condition in current:
+        old = before.get(condition["type"])
+        stamped = dict(condition)
+        if old is not None and old.get("status") == condition["status"] and old.get("lastTransitionTime"):
+            stamped["lastTransitionTime"] = old["lastTransitionTime"]
+        else:
+            stamped["lastTransitionTime"] = format_time(now)
+        if generation is not None:
+            stamped["observedGeneration"] = generation
+        merged.append(stamped)
+    return merged
+
+
+def find(conditions: Sequence[Mapping[str, Any]] | None, kind: str) -> Mapping[str, Any] | None:
+    return next((condition for condition in conditions or [] if condition.get("type") == kind), None)

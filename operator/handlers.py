@@ -1,0 +1,144 @@
+"""kopf handlers: thin, declarative wiring of the operator's modules to LLMDeployment events.
+
+- create / spec update / operator resume → reconcile.py (children to the rendered state)
+- one daemon per LLMDeployment → supervisor.py (health polls, world restarts, status)
+Importing this module registers the handlers in kopf's default registry.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import httpx
+import kopf
+
+from berth.operator import health, naming, reconcile, render
+from berth.operator.crd_model import GROUP, PLURAL, VERSION, InvalidSpec, parse_spec
+from berth.operator.kube import Kube, KubeError
+from berth.operator.metrics import metrics
+from berth.operator.supervisor import Supervisor
+
+FINALIZER = "berth.dev/operator"
+RETRY_DELAY = 5.0
+# How often the daemon re-runs the full reconcile, repairing children changed or deleted
+# behind the operator's back (handlers only fire on the LLMDeployment's own changes).
+RESYNC_SECONDS = 60.0
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    # kopf's bookkeeping lives in status, not in annotations: the operator then writes only
+    # status (and its finalizer), so an Argo CD-synced LLMDeployment never drifts from Git.
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
+        field="status.kopf.lastHandledConfiguration"
+    )
+    settings.posting.reporting_component = "berth-operator"
+    settings.posting.event_name_prefix = "berth-"
+    memo.kube = await Kube.connect(memo.get("kubeconfig"))
+    memo.http = httpx.AsyncClient()
+    # The one replaceable function that turns a launcher pod into an address to poll.
+    memo.setdefault("resolve_launcher_address", health.pod_address)
+    logger.info("berth operator configured")
+
+
+@kopf.on.cleanup()
+async def close_clients(memo: kopf.Memo, **_: Any) -> None:
+    if "http" in memo:
+        await memo.http.aclose()
+    if "kube" in memo:
+        await memo.kube.close()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # Explicit, and read at call time: kopf's default piggybacks on a client whose kubeconfig
+    # path was frozen when it was imported.
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return kopf.login_with_service_account(**kwargs)
+    return kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def reconcile_children(
+    body: kopf.Body,
+    spec: kopf.Spec,
+    name: str,
+    namespace: str,
+    uid: str,
+    meta: kopf.Meta,
+    reason: kopf.Reason,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    started = time.perf_counter()
+    try:
+        parsed = parse_spec(spec)
+    except InvalidSpec as exc:
+        metrics().reconciles.labels("invalid").inc()
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        raise kopf.PermanentError(f"invalid spec: {exc}") from None
+
+    owner = render.Owner(name=name, namespace=namespace, uid=uid)
+    try:
+        # A fresh object has nothing to prune; updates and resumes may (scale down, frontends 0).
+        outcome = await reconcile.reconcile(
+            memo.kube, owner, parsed, prune_extra=reason != kopf.Reason.CREATE
+        )
+    except KubeError as exc:
+        metrics().reconciles.labels("retry").inc()
+        raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY) from exc
+
+    for type_, event_reason, message in outcome.events():
+        kopf.event(body, type=type_, reason=event_reason, message=message)
+    patch.status["observedGeneration"] = meta.get("generation")
+    patch.status["replicas"] = parsed.replicas
+    patch.status["selector"] = naming.launcher_selector(name)
+    patch.status["endpoint"] = naming.endpoint_url(name, namespace, parsed.service.port)
+    metrics().reconciles.labels("success").inc()
+    metrics().reconcile_seconds.observe(time.perf_counter() - started)
+    if outcome.changed:
+        logger.info(
+            f"reconciled: {len(outcome.created)} created, {len(outcome.patched)} patched, "
+            f"{len(outcome.deleted)} deleted"
+        )
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
+async def supervise_worlds(
+    body: kopf.Body,
+    name: str,
+    namespace: str,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    supervisor = Supervisor(
+        kube=memo.kube,
+        http=memo.http,
+        resolver=memo.resolve_launcher_address,
+        metrics=metrics(),
+        post_event=lambda type_, reason, message: kopf.event(
+            body, type=type_, reason=reason, message=message
+        ),
+        logger=logger,
+        resync_seconds=float(memo.get("resync_seconds", RESYNC_SECONDS)),
+    )
+    try:
+        while not stopped:
+            try:
+                interval = await supervisor.tick(body)
+            except KubeError as exc:
+                logger.warning(f"health round failed, retrying: {exc}")
+                interval = RETRY_DELAY
+            await stopped.wait(interval)
+    finally:
+        metrics().forget(namespace, name)

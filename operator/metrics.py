@@ -1,0 +1,88 @@
+"""The operator's Prometheus metrics (served by `berth operator --metrics-port`)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as Tally
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+RECONCILE_RESULTS = ("success", "retry", "invalid")
+
+
+class OperatorMetrics:
+    """Every series the operator exports. One instance per registry (tests may use their own)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.registry = registry
+        self.reconciles = Counter(
+            "berth_operator_reconciles",
+            "LLMDeployment reconciles by result (success, retry: transient API error, invalid: bad spec).",
+            ["result"],
+            registry=registry,
+        )
+        self.reconcile_seconds = Histogram(
+            "berth_operator_reconcile_duration_seconds",
+            "Time to bring one LLMDeployment's children to the desired state.",
+            registry=registry,
+        )
+        self.world_restarts = Counter(
+            "berth_operator_world_restarts",
+            "Whole-world restarts by reason (EngineDead, LauncherFailed, WorkerFailed, ...).",
+            ["namespace", "deployment", "reason"],
+            registry=registry,
+        )
+        self.probe_seconds = Histogram(
+            "berth_operator_health_probe_duration_seconds",
+            "Latency of one health poll of a launcher (/health and /ready) by result.",
+            ["result"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=registry,
+        )
+        self.worlds = Gauge(
+            "berth_operator_worlds", "Worlds of all LLMDeployments by phase.", ["phase"], registry=registry
+        )
+        self._phases: dict[tuple[str, str], Tally[str]] = {}
+        self._lock = threading.Lock()
+
+    def set_world_phases(self, namespace: str, deployment: str, phases: list[str]) -> None:
+        """Replace one deployment's share of the worlds-by-phase gauge."""
+        with self._lock:
+            self._phases[(namespace, deployment)] = Tally(phases)
+            self._publish()
+
+    def forget(self, namespace: str, deployment: str) -> None:
+        with self._lock:
+            self._phases.pop((namespace, deployment), None)
+            self._publish()
+
+    def _publish(self) -> None:
+        total: Tally[str] = Tally()
+        for tally in self._phases.values():
+            total.update(tally)
+        for phase in set(total) | {labels[0] for labels in self._known_phases()}:
+            self.worlds.labels(phase).set(total.get(phase, 0))
+
+    def _known_phases(self) -> list[tuple[str, ...]]:
+        # prometheus_client keeps no public list of a metric's children; read them from a
+        # collection, which is the public way.
+        return [(sample.labels["phase"],) for metric in self.worlds.collect() for sample in metric.samples]
+
+
+_default: OperatorMetrics | None = None
+_default_lock = threading.Lock()
+
+
+def metrics() -> OperatorMetrics:
+    """The process-wide metrics on prometheus_client's default registry."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = OperatorMetrics()
+        return _default
+
+
+def serve(port: int, address: str = "0.0.0.0") -> None:
+    """Expose /metrics in a background thread."""
+    metrics()
+    start_http_server(port, addr=address)

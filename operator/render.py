@@ -1,0 +1,447 @@
+"""Pure rendering of an LLMDeployment's children: spec in, manifests (dicts) out.
+
+Nothing here talks to the API or reads a clock, so every field of every child is unit-tested
+(tests/operator/test_render.py). Reconciling (reconcile.py) compares these with the live objects.
+
+Per world `i` of deployment NAME (naming.py has the names):
+  NAME-wI-hostfile   ConfigMap    the MPI hostfile: one line per worker pod, HOST:SLOTS
+  NAME-wI            Service      headless; stable DNS for worker pods and the launcher
+  NAME-wI            StatefulSet  worker pods, one per node, an SSH server waiting for mpirun
+  NAME-wI-launcher   Pod          `berth launch`: mpirun over the hostfile, proxy, OpenAI server
+  NAME-wI-frontend   Deployment   `berth serve --attach` (only when spec.frontends > 0)
+Per deployment: the Service NAME (the OpenAI endpoint) and three Secrets (credentials.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from berth.operator import naming
+from berth.operator.crd_model import API_VERSION, GPU_RESOURCE, KIND, LLMDeploymentSpec
+from berth.operator.credentials import SSHKeyPair, b64
+
+ENGINE_KEY_ENV = "BERTH_ENGINE_KEY"
+ADMIN_TOKEN_ENV = "BERTH_ADMIN_TOKEN"
+# The worker image runs an SSH server in the foreground, waiting for the launcher's mpirun;
+# operator/README.md ("Images") says what its sshd_config must allow.
+WORKER_COMMAND = ("/usr/sbin/sshd", "-De")
+SSH_PRIVATE_KEY = "id_ed25519"
+SSH_PUBLIC_KEY = "id_ed25519.pub"
+SSH_AUTHORIZED_KEYS = "authorized_keys"
+MODEL_VOLUME = "model"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The LLMDeployment a child belongs to (what an ownerReference needs)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    # controller + blockOwnerDeletion: the garbage collector deletes children with the
+    # LLMDeployment, and foreground deletion of the LLMDeployment waits for them.
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(
+    owner: Owner, name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": dict(labels),
+        "ownerReferences": [owner_reference(owner)],
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def spec_hash(pod_spec: dict[str, Any]) -> str:
+    """A short digest of a pod spec: a live pod with another digest runs an outdated spec."""
+    return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- Secrets -------------------------------------------------------------------------------
+
+
+def secret_metadata(owner: Owner, name: str) -> dict[str, Any]:
+    return _metadata(owner, name, naming.common_labels(owner.name))
+
+
+def engine_key_secret(owner: Owner, key_hex: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": secret_metadata(owner, naming.engine_key_secret(owner.name)),
+        "type": "Opaque",
+        "data": {"key": b64(key_hex)},
+    }
+
+
+def admin_token_secret(owner: Owner, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": secret_metadata(owner, naming.admin_token_secret(owner.name)),
+        "type": "Opaque",
+        "data": {"token": b64(token)},
+    }
+
+
+def ssh_secret(owner: Owner, pair: SSHKeyPair) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": secret_metadata(owner, naming.ssh_secret(owner.name)),
+        "type": "Opaque",
+        "data": {
+            SSH_PRIVATE_KEY: b64(pair.private_openssh),
+            SSH_PUBLIC_KEY: b64(pair.public_openssh),
+            SSH_AUTHORIZED_KEYS: b64(pair.public_openssh),
+        },
+    }
+
+
+# --- pieces shared by the pod templates ------------------------------------------------------
+
+
+def _secret_env(owner: Owner) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": ENGINE_KEY_ENV,
+            "valueFrom": {"secretKeyRef": {"name": naming.engine_key_secret(owner.name), "key": "key"}},
+        },
+        {
+            "name": ADMIN_TOKEN_ENV,
+            "valueFrom": {"secretKeyRef": {"name": naming.admin_token_secret(owner.name), "key": "token"}},
+        },
+    ]
+
+
+def _user_env(spec: LLMDeploymentSpec, world: int) -> list[dict[str, Any]]:
+    return [{"name": "BERTH_WORLD", "value": str(world)}] + [
+        {"name": var.name, "value": var.value} for var in spec.env
+    ]
+
+
+def _ssh_volume(owner: Owner) -> dict[str, Any]:
+    # 0400: sshd and ssh refuse keys that others can read.
+    return {"name": "ssh", "secret": {"secretName": naming.ssh_secret(owner.name), "defaultMode": 0o400}}
+
+
+def _model_volumes(spec: LLMDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) for the model, empty when the image carries it."""
+    volume = spec.model.volume
+    if volume is None:
+        return [], []
+    return (
+        [{"name": MODEL_VOLUME, **volume.volume_source()}],
+        [{"name": MODEL_VOLUME, "mountPath": volume.mount_path, "readOnly": True}],
+    )
+
+
+def _http_probes() -> dict[str, Any]:
+    # Readiness follows the engine's admission (a parked engine leaves the Service); liveness
+    # only says the HTTP process answers (the operator, not the kubelet, judges the engine).
+    # The startup probe gives the model load time before liveness counts.
+    return {
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 1,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/live", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "startupProbe": {
+            "httpGet": {"path": "/live", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 60,
+        },
+    }
+
+
+def _placement(spec: LLMDeploymentSpec) -> dict[str, Any]:
+    placement: dict[str, Any] = {}
+    if spec.node_selector:
+        placement["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        placement["tolerations"] = [toleration.as_dict() for toleration in spec.tolerations]
+    return placement
+
+
+def worker_resources(spec: LLMDeploymentSpec) -> dict[str, dict[str, str]]:
+    resources = spec.resources.as_dict()
+    if spec.gpus_per_node:
+        # GPUs are extended resources: requests must equal limits, so set both.
+        for part in ("requests", "limits"):
+            resources.setdefault(part, {})[GPU_RESOURCE] = str(spec.gpus_per_node)
+    return resources
+
+
+# --- per world -----------------------------------------------------------------------------
+
+
+def hostfile(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    slots = spec.gpus_per_node or 1
+    lines = [
+        f"{naming.worker_host(owner.name, owner.namespace, world, ordinal)}:{slots}"
+        for ordinal in range(spec.nodes_per_world)
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(
+            owner, naming.hostfile_name(owner.name, world), naming.world_labels(owner.name, world)
+        ),
+        "data": {"hostfile": "\n".join(lines) + "\n"},
+    }
+
+
+def headless_service(owner: Owner, world: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(
+            owner, naming.world_name(owner.name, world), naming.world_labels(owner.name, world)
+        ),
+        "spec": {
+            "clusterIP": "None",
+            # mpirun resolves worker names before anything is "ready": publish them at once.
+            "publishNotReadyAddresses": True,
+            "selector": naming.world_labels(owner.name, world),
+            "ports": [
+                {"name": "ssh", "port": naming.SSH_PORT, "targetPort": naming.SSH_PORT},
+                {"name": "attach", "port": naming.ATTACH_PORT, "targetPort": naming.ATTACH_PORT},
+            ],
+        },
+    }
+
+
+def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    model_volumes, model_mounts = _model_volumes(spec)
+    selector = naming.role_labels(owner.name, world, "worker")
+    pod: dict[str, Any] = {
+        **_placement(spec),
+        "containers": [
+            {
+                "name": "worker",
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": list(WORKER_COMMAND),
+                "ports": [{"name": "ssh", "containerPort": naming.SSH_PORT}],
+                "env": _user_env(spec, world),
+                "resources": worker_resources(spec),
+                "readinessProbe": {"tcpSocket": {"port": "ssh"}, "periodSeconds": 5},
+                "volumeMounts": [
+                    {"name": "ssh", "mountPath": naming.SSH_DIR, "readOnly": True},
+                    *model_mounts,
+                ],
+            }
+        ],
+        "volumes": [_ssh_volume(owner), *model_volumes],
+    }
+    if spec.nodes_per_world > 1:
+        # One worker pod per node: two ranks' pods on one node would share its GPUs' budget.
+        pod["affinity"] = {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}
+                ]
+            }
+        }
+    return pod
+
+
+def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    labels = naming.role_labels(owner.name, world, "worker")
+    selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.WORLD, naming.ROLE)}
+    pod_spec = worker_pod_spec(owner, spec, world)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(owner, naming.world_name(owner.name, world), labels),
+        "spec": {
+            "serviceName": naming.world_name(owner.name, world),
+            "replicas": spec.nodes_per_world,
+            # All ranks start together; ordered start-up would only delay the world.
+            "podManagementPolicy": "Parallel",
+            # OnDelete: a template change must not roll ranks one by one under a running MPI
+            # job; the health daemon replaces the whole world instead.
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {naming.SPEC_HASH: spec_hash(pod_spec)}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def launcher_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
+    command = [
+        "berth",
+        "launch",
+        spec.model.path,
+        "--hostfile",
+        naming.HOSTFILE_PATH,
+        "--tensor-parallel-size",
+        str(spec.tensor_parallel_size),
+        "--gpus-per-node",
+        str(spec.gpus_per_node),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(naming.ENGINE_PORT),
+    ]
+    if spec.served_model_name:
+        command += ["--served-model-name", spec.served_model_name]
+    return command + list(spec.engine_args)
+
+
+def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    model_volumes, model_mounts = _model_volumes(spec)
+    return {
+        # hostname + subdomain on the world's headless Service: frontends reach the launcher
+        # at launcher.NAME-wI.NAMESPACE.svc whatever the pod's IP after a restart.
+        "hostname": naming.LAUNCHER_HOSTNAME,
+        "subdomain": naming.world_name(owner.name, world),
+        # Never: a launcher whose mpirun died cannot rejoin its world; the operator restarts
+        # the whole world (launcher and workers together) instead.
+        "restartPolicy": "Never",
+        **_placement(spec),
+        "containers": [
+            {
+                "name": "launcher",
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": launcher_command(owner, spec),
+                "ports": [
+                    {"name": "http", "containerPort": naming.ENGINE_PORT},
+                    {"name": "attach", "containerPort": naming.ATTACH_PORT},
+                ],
+                "env": _secret_env(owner) + _user_env(spec, world),
+                "resources": spec.launcher_resources.as_dict(),
+                **_http_probes(),
+                "volumeMounts": [
+                    {"name": "hostfile", "mountPath": naming.HOSTFILE_DIR, "readOnly": True},
+                    {"name": "ssh", "mountPath": naming.SSH_DIR, "readOnly": True},
+                    *model_mounts,
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "hostfile", "configMap": {"name": naming.hostfile_name(owner.name, world)}},
+            _ssh_volume(owner),
+            *model_volumes,
+        ],
+    }
+
+
+def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    pod_spec = launcher_pod_spec(owner, spec, world)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _metadata(
+            owner,
+            naming.launcher_pod_name(owner.name, world),
+            naming.role_labels(owner.name, world, "launcher"),
+            {naming.SPEC_HASH: spec_hash(pod_spec)},
+        ),
+        "spec": pod_spec,
+    }
+
+
+def frontend_command(owner: Owner, world: int) -> list[str]:
+    attach = f"tcp://{naming.launcher_host(owner.name, owner.namespace, world)}:{naming.ATTACH_PORT}"
+    return ["berth", "serve", "--attach", attach, "--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT)]
+
+
+def frontend_deployment(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    labels = naming.role_labels(owner.name, world, "frontend")
+    selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.WORLD, naming.ROLE)}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, naming.frontend_name(owner.name, world), labels),
+        "spec": {
+            "replicas": spec.frontends,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    **_placement(spec),
+                    "containers": [
+                        {
+                            "name": "frontend",
+                            "image": spec.image,
+                            "imagePullPolicy": spec.image_pull_policy,
+                            "command": frontend_command(owner, world),
+                            "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT}],
+                            "env": _secret_env(owner) + _user_env(spec, world),
+                            "resources": spec.launcher_resources.as_dict(),
+                            **_http_probes(),
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def world_children(owner: Owner, spec: LLMDeploymentSpec, world: int) -> list[dict[str, Any]]:
+    """Everything world `world` consists of, in creation order (the launcher pod last but one:
+    its hostfile and its workers' Service exist before mpirun looks for them)."""
+    children = [
+        hostfile(owner, spec, world),
+        headless_service(owner, world),
+        worker_statefulset(owner, spec, world),
+        launcher_pod(owner, spec, world),
+    ]
+    if spec.frontends:
+        children.append(frontend_deployment(owner, spec, world))
+    return children
+
+
+# --- per deployment ------------------------------------------------------------------------
+
+
+def endpoint_service(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    labels = naming.common_labels(owner.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, naming.service_name(owner.name), labels, spec.service.annotations),
+        "spec": {
+            "type": spec.service.type,
+            # Only ready pods receive traffic: a parked or dead engine drops out by itself.
+            "selector": {naming.DEPLOYMENT: owner.name, naming.ENDPOINT: "true"},
+            "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def children(owner: Owner, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
+    """Every child except the Secrets (those are generated once, not rendered from the spec)."""
+    result: list[dict[str, Any]] = []
+    for world in range(spec.replicas):
+        result += world_children(owner, spec, world)
+    result.append(endpoint_service(owner, spec))
+    return result

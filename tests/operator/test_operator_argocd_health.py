@@ -1,0 +1,105 @@
+"""The Argo CD health check (manifests/argocd/health.lua) in Lua 5.1, as Argo CD runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lupa.lua51
+import pytest
+import yaml
+
+ARGOCD = Path(__file__).resolve().parents[2] / "manifests" / "argocd"
+SCRIPT = (ARGOCD / "health.lua").read_text()
+
+
+def to_lua(lua: Any, value: Any) -> Any:
+    """Dicts become tables, lists 1-based sequences (how Argo CD hands objects to Lua)."""
+    if isinstance(value, dict):
+        return lua.table_from({key: to_lua(lua, item) for key, item in value.items()})
+    if isinstance(value, list):
+        return lua.table_from([to_lua(lua, item) for item in value])
+    return value
+
+
+def health(obj: dict[str, Any]) -> dict[str, Any]:
+    lua = lupa.lua51.LuaRuntime(unpack_returned_tuples=True, register_eval=False)
+    assert lua.eval("_VERSION") == "Lua 5.1"
+    lua.globals().obj = to_lua(lua, obj)
+    result = lua.execute(SCRIPT)
+    return dict(result.items())
+
+
+def cr(generation: int = 2, observed: int | None = 2, **conditions: tuple[str, str, str]) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "conditions": [
+            {"type": kind, "status": state, "reason": reason, "message": message}
+            for kind, (state, reason, message) in conditions.items()
+        ]
+    }
+    if observed is not None:
+        status["observedGeneration"] = observed
+    return {"metadata": {"name": "llama", "generation": generation}, "status": status}
+
+
+READY = ("True", "AllWorldsReady", "2/2 worlds ready")
+NOT_READY = ("False", "WorldsNotReady", "1/2 worlds ready")
+AWAKE = ("False", "Awake", "0/2 engines parked")
+NOT_DEGRADED = ("False", "RestartBudgetAvailable", "no world has used up its restarts")
+
+
+def test_ready_and_current_is_healthy() -> None:
+    assert health(cr(Ready=READY, Degraded=NOT_DEGRADED, Sleeping=AWAKE)) == {
+        "status": "Healthy",
+        "message": "2/2 worlds ready",
+    }
+
+
+def test_no_status_yet_is_progressing() -> None:
+    assert health({"metadata": {"name": "llama", "generation": 1}})["status"] == "Progressing"
+
+
+def test_unobserved_generation_is_progressing_even_when_ready() -> None:
+    result = health(cr(generation=3, observed=2, Ready=READY))
+    assert result == {
+        "status": "Progressing",
+        "message": "Waiting for the operator to reconcile generation 3",
+    }
+    assert health(cr(generation=3, observed=None, Ready=READY))["status"] == "Progressing"
+
+
+def test_worlds_starting_is_progressing_with_the_operators_message() -> None:
+    starting = ("True", "WorldsStarting", "world 1 Pending: launcher pod llama-w1-launcher is Pending")
+    result = health(cr(Ready=NOT_READY, Progressing=starting, Degraded=NOT_DEGRADED))
+    assert result == {"status": "Progressing", "message": starting[2]}
+
+
+def test_exhausted_restarts_are_degraded_with_the_engine_error() -> None:
+    error = "world 0 Failed: EngineDead: CUDA error: an illegal memory access was encountered; ..."
+    result = health(cr(Ready=NOT_READY, Degraded=("True", "RestartBudgetExhausted", error), Sleeping=AWAKE))
+    assert result == {"status": "Degraded", "message": error}
+
+
+def test_sleeping_is_suspended() -> None:
+    parked = ("True", "EnginesParked", "2/2 engines parked")
+    assert health(cr(Ready=NOT_READY, Sleeping=parked, Degraded=NOT_DEGRADED)) == {
+        "status": "Suspended",
+        "message": "2/2 engines parked",
+    }
+
+
+def test_degraded_wins_over_sleeping() -> None:
+    failed = ("True", "RestartBudgetExhausted", "boom")
+    assert health(cr(Sleeping=("True", "EnginesParked", "x"), Degraded=failed))["status"] == "Degraded"
+
+
+@pytest.mark.parametrize("key", ["resource.customizations.health.berth.dev_LLMDeployment"])
+def test_argocd_cm_patch_carries_the_same_script(key: str) -> None:
+    patch = yaml.safe_load((ARGOCD / "argocd-cm-patch.yaml").read_text())
+    assert patch["metadata"] == {"name": "argocd-cm", "namespace": "argocd"}
+    assert patch["data"][key] == SCRIPT
+
+
+def test_example_application_points_at_argocd() -> None:
+    app = yaml.safe_load((ARGOCD / "application.yaml").read_text())
+    assert app["kind"] == "Application" and app["spec"]["syncPolicy"]["automated"]["selfHeal"] is True

@@ -1,0 +1,59 @@
+"""`berth operator` as a process, the way the Deployment runs it: it serves kopf's liveness
+endpoint and Prometheus metrics, reconciles, and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.support.cluster import Cluster, wait_for
+from tests.support.engine_endpoint import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
+
+
+async def answers(url: str, needle: str = "") -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        async with httpx.AsyncClient() as client:
+            response = await client.get(url, timeout=1.0)
+            return response.status_code == 200 and needle in response.text
+    return False
+
+
+async def test_berth_operator_process_serves_liveness_metrics_and_reconciles(cluster: Cluster) -> None:
+    metrics_port, liveness_port = free_port(), free_port()
+    liveness = f"http://127.0.0.1:{liveness_port}/healthz"
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    counted = 'berth_operator_reconciles_total{result="success"} 1.0'
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("berth")), "operator",
+        "--namespace", "default", "--kubeconfig", str(cluster.kubeconfig),
+        "--metrics-port", str(metrics_port), "--liveness", liveness,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        await wait_for(lambda: answers(liveness), 30, "kopf's liveness endpoint")
+        await cluster.kubectl("apply", "--validate=false", "-f", str(EXAMPLES / "llmdeployment-cpu.yaml"))
+        await wait_for(
+            lambda: cluster.get("apps/v1/statefulsets", "tiny-w0"), 20, "the operator's StatefulSet"
+        )
+        await wait_for(lambda: answers(metrics, counted), 10, "the reconcile counted in /metrics")
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 15)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+        stderr = (await process.stderr.read()).decode()
+    assert process.returncode == 0, stderr[-3000:]
+    worker = cluster.get("apps/v1/statefulsets", "tiny-w0")["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in str(worker["resources"])  # gpusPerNode 0: a CPU world

@@ -1,0 +1,245 @@
+"""Rendering is pure: spec in, manifests out. Field by field, for each child."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from berth.operator import credentials, naming, render
+from berth.operator.crd_model import InvalidSpec, parse_spec
+
+OWNER = render.Owner(name="llama", namespace="ml", uid="1234-uid")
+
+
+def spec(**changes: Any):
+    raw: dict[str, Any] = {
+        "model": {
+            "path": "/models/llama",
+            "name": "llama-8b",
+            "volume": {"mountPath": "/models", "persistentVolumeClaim": {"claimName": "weights"}},
+        },
+        "image": "berth:1",
+        "replicas": 2,
+        "tensorParallelSize": 4,
+        "gpusPerNode": 2,
+        "frontends": 3,
+        "engineArgs": ["--max-num-seqs=8", "--enable-prefix-caching"],
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "80Gi"}},
+        "launcherResources": {"requests": {"cpu": "1"}},
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }  # fmt: skip
+    raw.update(changes)
+    return parse_spec(raw)
+
+
+def owner_refs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return obj["metadata"]["ownerReferences"]
+
+
+def test_owner_reference_is_explicit_controller() -> None:
+    assert render.owner_reference(OWNER) == {
+        "apiVersion": "berth.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "name": "llama",
+        "uid": "1234-uid",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def test_children_names_and_order() -> None:
+    refs = [f"{child['kind']}/{child['metadata']['name']}" for child in render.children(OWNER, spec())]
+    assert refs == [
+        "ConfigMap/llama-w0-hostfile", "Service/llama-w0", "StatefulSet/llama-w0", "Pod/llama-w0-launcher",
+        "Deployment/llama-w0-frontend",
+        "ConfigMap/llama-w1-hostfile", "Service/llama-w1", "StatefulSet/llama-w1", "Pod/llama-w1-launcher",
+        "Deployment/llama-w1-frontend",
+        "Service/llama",
+    ]  # fmt: skip
+    for child in render.children(OWNER, spec()):
+        assert owner_refs(child) == [render.owner_reference(OWNER)]
+        assert child["metadata"]["namespace"] == "ml"
+        labels = child["metadata"]["labels"]
+        assert labels[naming.MANAGED_BY] == "berth" and labels[naming.DEPLOYMENT] == "llama"
+
+
+def test_no_frontend_deployment_without_frontends() -> None:
+    kinds = [child["kind"] for child in render.world_children(OWNER, spec(frontends=0), 0)]
+    assert "Deployment" not in kinds
+
+
+def test_hostfile_lists_each_worker_with_its_slots() -> None:
+    assert render.hostfile(OWNER, spec(), 1)["data"] == {
+        "hostfile": "llama-w1-0.llama-w1.ml.svc:2\nllama-w1-1.llama-w1.ml.svc:2\n"
+    }
+    cpu = spec(gpusPerNode=0, tensorParallelSize=3)
+    assert render.hostfile(OWNER, cpu, 0)["data"]["hostfile"].count(":1\n") == 3
+
+
+def test_headless_service_publishes_not_ready_addresses() -> None:
+    service = render.headless_service(OWNER, 1)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {
+        naming.MANAGED_BY: "berth", naming.NAME_LABEL: "berth", naming.DEPLOYMENT: "llama", naming.WORLD: "1",
+    }  # fmt: skip
+
+
+def test_worker_statefulset() -> None:
+    sts = render.worker_statefulset(OWNER, spec(), 0)
+    assert sts["metadata"]["name"] == "llama-w0"
+    body = sts["spec"]
+    assert body["replicas"] == 2  # tensorParallelSize 4 / gpusPerNode 2
+    assert body["serviceName"] == "llama-w0"
+    assert body["podManagementPolicy"] == "Parallel"
+    assert body["updateStrategy"] == {"type": "OnDelete"}
+    assert body["selector"]["matchLabels"] == {
+        naming.DEPLOYMENT: "llama",
+        naming.WORLD: "0",
+        naming.ROLE: "worker",
+    }
+    template = body["template"]
+    assert template["metadata"]["labels"][naming.ROLE] == "worker"
+    assert naming.ENDPOINT not in template["metadata"]["labels"]  # workers serve no HTTP
+    pod = template["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    (container,) = pod["containers"]
+    assert container["command"] == ["/usr/sbin/sshd", "-De"]
+    assert container["image"] == "berth:1" and container["imagePullPolicy"] == "IfNotPresent"
+    assert container["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},
+        "limits": {"memory": "80Gi", "nvidia.com/gpu": "2"},
+    }
+    assert container["volumeMounts"] == [
+        {"name": "ssh", "mountPath": "/etc/berth/ssh", "readOnly": True},
+        {"name": "model", "mountPath": "/models", "readOnly": True},
+    ]
+    assert pod["volumes"] == [
+        {"name": "ssh", "secret": {"secretName": "llama-ssh", "defaultMode": 0o400}},
+        {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
+    ]
+    assert {"name": "BERTH_WORLD", "value": "0"} in container["env"]
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+    assert template["metadata"]["annotations"][naming.SPEC_HASH] == render.spec_hash(pod)
+
+
+def test_single_node_world_has_no_anti_affinity_and_cpu_world_no_gpus() -> None:
+    assert "affinity" not in render.worker_pod_spec(OWNER, spec(tensorParallelSize=2, gpusPerNode=2), 0)
+    cpu = render.worker_pod_spec(OWNER, spec(gpusPerNode=0, tensorParallelSize=1, resources={}), 0)
+    assert cpu["containers"][0]["resources"] == {}
+
+
+def test_launcher_pod() -> None:
+    pod = render.launcher_pod(OWNER, spec(), 1)
+    assert pod["metadata"]["name"] == "llama-w1-launcher"
+    assert pod["metadata"]["labels"][naming.ROLE] == "launcher"
+    assert pod["metadata"]["labels"][naming.ENDPOINT] == "true"
+    body = pod["spec"]
+    assert body["hostname"] == "launcher" and body["subdomain"] == "llama-w1"
+    assert body["restartPolicy"] == "Never"
+    (container,) = body["containers"]
+    assert container["command"] == [
+        "berth", "launch", "/models/llama", "--hostfile", "/etc/berth/hostfile/hostfile",
+        "--tensor-parallel-size", "4", "--gpus-per-node", "2", "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", "llama-8b", "--max-num-seqs=8", "--enable-prefix-caching",
+    ]  # fmt: skip
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000},
+        {"name": "attach", "containerPort": 8001},
+    ]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    assert container["startupProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    assert container["resources"] == {"requests": {"cpu": "1"}}
+    assert container["env"][:2] == [
+        {
+            "name": "BERTH_ENGINE_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "llama-engine-key", "key": "key"}},
+        },
+        {
+            "name": "BERTH_ADMIN_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "llama-admin-token", "key": "token"}},
+        },
+    ]
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert mounts == {"hostfile": "/etc/berth/hostfile", "ssh": "/etc/berth/ssh", "model": "/models"}
+    assert body["volumes"][0] == {"name": "hostfile", "configMap": {"name": "llama-w1-hostfile"}}
+    assert pod["metadata"]["annotations"][naming.SPEC_HASH] == render.spec_hash(body)
+
+
+def test_launcher_without_served_name_or_volume() -> None:
+    plain = spec(model={"path": "/opt/model"})
+    pod = render.launcher_pod(OWNER, plain, 0)
+    assert "--served-model-name" not in pod["spec"]["containers"][0]["command"]
+    assert [volume["name"] for volume in pod["spec"]["volumes"]] == ["hostfile", "ssh"]
+
+
+def test_spec_hash_moves_with_the_spec_only() -> None:
+    first = render.launcher_pod(OWNER, spec(), 0)["metadata"]["annotations"][naming.SPEC_HASH]
+    assert first == render.launcher_pod(OWNER, spec(), 0)["metadata"]["annotations"][naming.SPEC_HASH]
+    changed = render.launcher_pod(OWNER, spec(image="berth:2"), 0)["metadata"]["annotations"][
+        naming.SPEC_HASH
+    ]
+    assert changed != first
+
+
+def test_frontend_deployment() -> None:
+    deployment = render.frontend_deployment(OWNER, spec(), 1)
+    assert deployment["metadata"]["name"] == "llama-w1-frontend"
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["selector"]["matchLabels"] == {
+        naming.DEPLOYMENT: "llama", naming.WORLD: "1", naming.ROLE: "frontend",
+    }  # fmt: skip
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["labels"][naming.ENDPOINT] == "true"
+    (container,) = template["spec"]["containers"]
+    assert container["command"] == [
+        "berth", "serve", "--attach", "tcp://launcher.llama-w1.ml.svc:8001",
+        "--host", "0.0.0.0", "--port", "8000",
+    ]  # fmt: skip
+    assert [var["name"] for var in container["env"][:2]] == ["BERTH_ENGINE_KEY", "BERTH_ADMIN_TOKEN"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_endpoint_service() -> None:
+    service = render.endpoint_service(
+        OWNER, spec(service={"type": "LoadBalancer", "port": 80, "annotations": {"lb": "internal"}})
+    )
+    assert service["metadata"]["name"] == "llama"
+    assert service["metadata"]["annotations"] == {"lb": "internal"}
+    assert service["spec"] == {
+        "type": "LoadBalancer",
+        "selector": {naming.DEPLOYMENT: "llama", naming.ENDPOINT: "true"},
+        "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+    }
+
+
+def test_secrets_carry_generated_material() -> None:
+    pair = credentials.new_ssh_key_pair("llama")
+    ssh = render.ssh_secret(OWNER, pair)
+    assert ssh["metadata"]["name"] == "llama-ssh"
+    decoded = {key: base64.b64decode(value).decode() for key, value in ssh["data"].items()}
+    assert decoded["id_ed25519"] == pair.private_openssh
+    assert decoded["authorized_keys"] == decoded["id_ed25519.pub"] == pair.public_openssh
+    assert pair.public_openssh.startswith("ssh-ed25519 ") and pair.public_openssh.endswith(" llama\n")
+    key = credentials.new_engine_key()
+    assert len(bytes.fromhex(key)) == 32 and key != credentials.new_engine_key()
+    engine = render.engine_key_secret(OWNER, key)
+    assert base64.b64decode(engine["data"]["key"]).decode() == key
+    token = render.admin_token_secret(OWNER, "t0k3n")
+    assert token["metadata"]["name"] == "llama-admin-token" and token["data"] == {"token": "dDBrM24="}
+    assert "t0k3n" not in repr(pair) and "PRIVATE" not in repr(pair)  # never printed by accident
+
+
+def test_invalid_spec_names_the_field() -> None:
+    with pytest.raises(InvalidSpec, match=r"spec\.replicas: Input should be greater than or equal to 0"):
+        parse_spec({"model": {"path": "/m"}, "image": "x", "replicas": -1})
+    with pytest.raises(InvalidSpec, match=r"spec\.image: Field required"):
+        parse_spec({"model": {"path": "/m"}})

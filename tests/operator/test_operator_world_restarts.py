@@ -1,0 +1,175 @@
+"""Dead worlds against real processes: the launcher address is a server on 127.0.0.1 whose
+engine is a separate process; `kill -9` of that process must restart the whole world.
+
+Uses the STAND-IN server (tests/support/standin_engine_server.py) until `berth serve`
+exists; tests/support/engine_endpoint.py is the one place to switch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client import REGISTRY
+
+from berth.operator.restarts import parse_time
+from tests.support.cluster import Cluster, ClusterSim, wait_for
+from tests.support.engine_endpoint import EngineFleet
+from tests.support.operator_runner import running_operator
+
+LLMD = "berth.dev/v1alpha1/llmdeployments"
+EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "llmdeployment.yaml"
+
+
+async def apply_small_example(cluster: Cluster, tmp_path: Path, **health: int) -> None:
+    """The annotated example, shrunk to one world of two workers and fast health polls."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"].update(replicas=1, frontends=0)
+    doc["spec"]["health"] = {"intervalSeconds": 1, "timeoutSeconds": 1, "failureThreshold": 2, **health}
+    path = tmp_path / "llama-small.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    await cluster.kubectl("apply", "--validate=false", "-f", str(path))
+
+
+def world(cluster: Cluster) -> dict[str, Any]:
+    status = (cluster.get(LLMD, "llama") or {}).get("status") or {}
+    return (status.get("worlds") or [{}])[0]
+
+
+def condition(cluster: Cluster, kind: str) -> dict[str, Any]:
+    status = (cluster.get(LLMD, "llama") or {}).get("status") or {}
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def uid(cluster: Cluster, pod: str) -> str | None:
+    obj = cluster.get("v1/pods", pod)
+    return obj["metadata"]["uid"] if obj else None
+
+
+def ready_after(cluster: Cluster, restarts: int) -> bool:
+    current = world(cluster)
+    return current.get("phase") == "Ready" and current.get("restarts") == restarts
+
+
+def restarts_metric(reason: str) -> float:
+    labels = {"namespace": "default", "deployment": "llama", "reason": reason}
+    return REGISTRY.get_sample_value("berth_operator_world_restarts_total", labels) or 0.0
+
+
+def warnings(cluster: Cluster, reason: str) -> list[str]:
+    return [
+        event["message"]
+        for event in cluster.objects("v1/events")
+        if event.get("reason") == reason and event.get("type") == "Warning"
+    ]
+
+
+@contextlib.asynccontextmanager
+async def phase_recorder(cluster: Cluster) -> AsyncIterator[list[str]]:
+    """Every world phase seen, sampled every 50 ms, without repeats."""
+    seen: list[str] = []
+
+    async def sample() -> None:
+        while True:
+            phase = world(cluster).get("phase")
+            if phase and (not seen or seen[-1] != phase):
+                seen.append(phase)
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(sample())
+    try:
+        yield seen
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_kill_9_of_the_engine_restarts_the_whole_world(
+    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    before = restarts_metric("EngineDead")
+    dead_probes = REGISTRY.get_sample_value(
+        "berth_operator_health_probe_duration_seconds_count", {"result": "dead"}
+    )
+    async with running_operator(cluster, fleet.resolve):
+        await apply_small_example(cluster, tmp_path)
+        await wait_for(lambda: ready_after(cluster, 0), 20, "the world Ready")
+        old = {pod: uid(cluster, pod) for pod in ("llama-w0-launcher", "llama-w0-0", "llama-w0-1")}
+
+        pid = await fleet.for_pod("llama-w0-launcher").kill_engine()
+        await wait_for(lambda: ready_after(cluster, 1), 20, "the world Ready again after one restart")
+
+    expected_error = f"engine worker process {pid} killed by signal 9 (SIGKILL)"
+    restarted = world(cluster)
+    assert restarted["lastRestartReason"] == "EngineDead"
+    assert restarted["lastEngineError"] == expected_error
+    # Whole world: the launcher and both workers are new pods, under the same names.
+    for pod, old_uid in old.items():
+        assert uid(cluster, pod) not in (None, old_uid), f"{pod} was not replaced"
+    assert fleet.started == ["llama-w0-launcher", "llama-w0-launcher"]
+    assert [f"world 0 restarted (EngineDead): {expected_error}"] == warnings(cluster, "WorldRestarted")
+    assert restarts_metric("EngineDead") == before + 1
+    assert (
+        REGISTRY.get_sample_value("berth_operator_health_probe_duration_seconds_count", {"result": "dead"})
+        == (dead_probes or 0) + 1
+    )
+    assert condition(cluster, "Ready")["status"] == "True"
+
+
+async def test_repeated_deaths_back_off_then_exhaust_the_budget(
+    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    backoff = 3
+    async with running_operator(cluster, fleet.resolve), phase_recorder(cluster) as phases:
+        await apply_small_example(
+            cluster, tmp_path, maxRestarts=2, backoffSeconds=backoff, maxBackoffSeconds=60
+        )
+        await wait_for(lambda: ready_after(cluster, 0), 20, "the world Ready")
+
+        await fleet.for_pod("llama-w0-launcher").kill_engine()
+        await wait_for(lambda: ready_after(cluster, 1), 20, "Ready after restart 1")
+        # Killed again at once: the second restart must wait `backoff` seconds after the first.
+        await fleet.for_pod("llama-w0-launcher").kill_engine()
+        await wait_for(lambda: ready_after(cluster, 2), 20, "Ready after restart 2")
+        pid = await fleet.for_pod("llama-w0-launcher").kill_engine()
+        await wait_for(lambda: world(cluster).get("phase") == "Failed", 10, "the world Failed")
+        failed_launcher = uid(cluster, "llama-w0-launcher")
+        await asyncio.sleep(3)  # three more polls: no restart storm, no restart at all
+
+    current = world(cluster)
+    assert current["restarts"] == 2
+    assert uid(cluster, "llama-w0-launcher") == failed_launcher
+    first, second = (parse_time(t) for t in current["restartTimes"])
+    assert (second - first).total_seconds() >= backoff
+    assert "BackingOff" in phases, phases
+    error = f"engine worker process {pid} killed by signal 9 (SIGKILL)"
+    degraded = condition(cluster, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "RestartBudgetExhausted"
+    assert error in degraded["message"] and "health.maxRestarts=2" in degraded["message"]
+    assert (cluster.get(LLMD, "llama") or {})["status"]["phase"] == "Degraded"
+    assert len(warnings(cluster, "WorldRestarted")) == 2
+    assert warnings(cluster, "RestartBudgetExhausted") == [f"world 0 gave up after EngineDead: {error}"]
+
+
+async def test_a_failed_worker_pod_restarts_the_world(
+    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    async with running_operator(cluster, fleet.resolve):
+        await apply_small_example(cluster, tmp_path)
+        await wait_for(lambda: ready_after(cluster, 0), 20, "the world Ready")
+        old_launcher = uid(cluster, "llama-w0-launcher")
+        await sim.fail_pod("llama-w0-1", "rank 1: NCCL error: unhandled system error", exit_code=134)
+        await wait_for(lambda: ready_after(cluster, 1), 20, "Ready after the worker's failure")
+
+    restarted = world(cluster)
+    assert restarted["lastRestartReason"] == "WorkerFailed"
+    assert restarted["lastEngineError"] == (
+        "worker pod llama-w0-1: container worker exited with code 134 (Error): "
+        "rank 1: NCCL error: unhandled system error"
+    )
+    assert uid(cluster, "llama-w0-launcher") != old_launcher

@@ -1,0 +1,338 @@
+"""A test cluster: the fixed kmock emulator on 127.0.0.1, a kubeconfig, kubectl, and the
+controllers no emulator plays, played here explicitly and visibly:
+
+- `statefulset_controller()`: pods `<sts>-<ordinal>` from each StatefulSet's template
+  (hostname + subdomain for stable DNS, owner reference to the StatefulSet), recreated when
+  deleted, removed beyond `replicas`;
+- `kubelet()`: every new pod becomes Running with an IP; an optional hook "runs" launcher
+  containers (the tests start a real server per launcher pod) and stops them when the pod goes;
+- `garbage_collector()`: deletes objects all of whose owners are gone (cascading).
+
+Each is one pass that a test may call itself; `ClusterSim.running()` loops them in the
+background. They act through the emulator's HTTP API, so the watchers see real events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+
+from tests.support.kube_emulator import Emulator, declare_resources
+
+KUBECONFIG_TEMPLATE = """\
+apiVersion: v1
+kind: Config
+clusters:
+- name: kmock
+  cluster:
+    server: {server}
+contexts:
+- name: kmock
+  context:
+    cluster: kmock
+    user: kmock
+    namespace: {namespace}
+current-context: kmock
+users:
+- name: kmock
+  user:
+    token: test-token
+"""
+
+
+def write_kubeconfig(path: Path, server: str, namespace: str = "default") -> Path:
+    path.write_text(KUBECONFIG_TEMPLATE.format(server=server, namespace=namespace))
+    return path
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `predicate` (sync or async) until it returns something truthy; fail after `timeout`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def resource_path(
+    resource: Any, namespace: str | None, name: str | None = None, sub: str | None = None
+) -> str:
+    prefix = f"/apis/{resource.group}/{resource.version}" if resource.group else f"/api/{resource.version}"
+    path = (
+        f"{prefix}/namespaces/{namespace}/{resource.plural}" if namespace else f"{prefix}/{resource.plural}"
+    )
+    return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
+
+
+@dataclass
+class Cluster:
+    emulator: Emulator
+    server: str
+    kubeconfig: Path
+    cache_dir: Path
+    session: aiohttp.ClientSession
+    namespace: str = "default"
+
+    # --- reading (in-process: the emulator's own store) -----------------------------------
+
+    def objects(self, resource: str, namespace: str | None = "default") -> list[dict[str, Any]]:
+        """Live objects of one resource ('v1/pods', 'apps/v1/statefulsets', ...), by name."""
+        wanted = kmock.resource(resource)
+        found = [
+            obj.raw
+            for (res, ns, _), obj in list(self.emulator.objects.items())
+            if res.group == wanted.group
+            and res.version == wanted.version
+            and res.plural == wanted.plural
+            and (namespace is None or ns == namespace)
+            and not obj.deleted
+        ]
+        return sorted(found, key=lambda obj: obj["metadata"]["name"])
+
+    def get(self, resource: str, name: str, namespace: str = "default") -> dict[str, Any] | None:
+        try:
+            obj = self.emulator.objects[resource, namespace, name]
+        except KeyError:
+            return None
+        return None if obj.deleted else obj.raw
+
+    def names(self, resource: str, namespace: str = "default") -> list[str]:
+        return [obj["metadata"]["name"] for obj in self.objects(resource, namespace)]
+
+    def all_live(self) -> Iterator[tuple[Any, str | None, dict[str, Any]]]:
+        for (res, ns, _), obj in list(self.emulator.objects.items()):
+            if not obj.deleted:
+                yield res, ns, obj.raw
+
+    # --- writing (over HTTP, like any client) ---------------------------------------------
+
+    async def api(self, method: str, path: str, body: Any = None, content_type: str | None = None) -> Any:
+        headers = {"Content-Type": content_type} if content_type else {}
+        if method == "PATCH" and not content_type:
+            headers["Content-Type"] = "application/merge-patch+json"
+        async with self.session.request(method, self.server + path, json=body, headers=headers) as response:
+            payload = await response.json(content_type=None)
+            if response.status >= 400:
+                raise AssertionError(f"{method} {path}: HTTP {response.status}: {payload}")
+            return payload
+
+    async def kubectl(self, *args: str, timeout: float = 30.0, check: bool = True) -> str:
+        """Run the real kubectl against the emulator (async: the emulator shares this loop)."""
+        process = await asyncio.create_subprocess_exec(
+            "kubectl",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--cache-dir={self.cache_dir}",
+            "--request-timeout=20s",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), timeout)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            raise AssertionError(f"kubectl {' '.join(args)} did not finish in {timeout}s") from None
+        if check and process.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({process.returncode}): {err.decode()}")
+        return out.decode()
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(tmp_path: Path, namespace: str = "default") -> AsyncIterator[Cluster]:
+    """The emulator on 127.0.0.1 (free port), a kubeconfig for it, an HTTP session."""
+    async with Emulator() as emulator, kmock.Server(emulator, host="127.0.0.1") as server:
+        declare_resources(emulator, (namespace,))
+        url = f"http://127.0.0.1:{server.port}"
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig.yaml", url, namespace)
+        cache_dir = tmp_path / "kube-cache"
+        cache_dir.mkdir(exist_ok=True)
+        async with aiohttp.ClientSession() as session:
+            yield Cluster(emulator, url, kubeconfig, cache_dir, session, namespace)
+
+
+PodHook = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class ClusterSim:
+    """The controllers and the kubelet a real cluster would have."""
+
+    cluster: Cluster
+    # Called when a pod starts "running" / when it is gone (e.g. start and stop an engine server).
+    on_pod_start: PodHook | None = None
+    on_pod_stop: PodHook | None = None
+    interval: float = 0.05
+    _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
+    _running_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod
+
+    async def statefulset_controller(self) -> None:
+        c = self.cluster
+        pods = {
+            (pod["metadata"]["namespace"], pod["metadata"]["name"]): pod for pod in c.objects("v1/pods", None)
+        }
+        for sts in c.objects("apps/v1/statefulsets", None):
+            meta, spec = sts["metadata"], sts["spec"]
+            namespace = meta["namespace"]
+            for ordinal in range(int(spec.get("replicas", 1))):
+                name = f"{meta['name']}-{ordinal}"
+                if (namespace, name) in pods:
+                    continue
+                template = spec["template"]
+                pod = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        "name": name,
+                        "namespace": namespace,
+                        "labels": {
+                            **template["metadata"].get("labels", {}),
+                            "apps.kubernetes.io/pod-index": str(ordinal),
+                        },
+                        "annotations": dict(template["metadata"].get("annotations", {})),
+                        "ownerReferences": [
+                            {
+                                "apiVersion": "apps/v1",
+                                "kind": "StatefulSet",
+                                "name": meta["name"],
+                                "uid": meta["uid"],
+                                "controller": True,
+                                "blockOwnerDeletion": True,
+                            }
+                        ],
+                    },
+                    "spec": {**template["spec"], "hostname": name, "subdomain": spec.get("serviceName")},
+                }
+                await c.api("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+            for (ns, name), pod in pods.items():
+                owners = pod["metadata"].get("ownerReferences") or []
+                ordinal = name.rsplit("-", 1)[-1]
+                if (
+                    ns == namespace
+                    and any(ref.get("uid") == meta["uid"] for ref in owners)
+                    and ordinal.isdigit()
+                    and int(ordinal) >= int(spec.get("replicas", 1))
+                ):
+                    await c.api("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
+
+    async def kubelet(self) -> None:
+        c = self.cluster
+        live = {pod["metadata"]["uid"]: pod for pod in c.objects("v1/pods", None)}
+        for uid in [uid for uid in self._running_pods if uid not in live]:
+            pod = self._running_pods.pop(uid)
+            if self.on_pod_stop is not None:
+                await self.on_pod_stop(pod)
+        for uid, pod in live.items():
+            if uid in self._running_pods or (pod.get("status") or {}).get("phase"):
+                continue
+            self._running_pods[uid] = pod
+            if self.on_pod_start is not None:
+                await self.on_pod_start(pod)
+            await self.set_pod_status(pod, self.running_status(pod))
+
+    def running_status(self, pod: dict[str, Any]) -> dict[str, Any]:
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        ip = next(self._ips)
+        return {
+            "phase": "Running",
+            "podIP": f"10.244.{ip // 250}.{ip % 250 + 1}",
+            "hostIP": "172.18.0.2",
+            "startTime": now,
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+            "containerStatuses": [
+                {
+                    "name": container["name"],
+                    "image": container.get("image"),
+                    "ready": True,
+                    "restartCount": 0,
+                    "started": True,
+                    "state": {"running": {"startedAt": now}},
+                }
+                for container in pod["spec"].get("containers", [])
+            ],
+        }
+
+    async def set_pod_status(self, pod: dict[str, Any], status: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        await self.cluster.api(
+            "PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status", {"status": status}
+        )
+
+    async def fail_pod(self, name: str, message: str, exit_code: int = 1, namespace: str = "default") -> None:
+        """The pod's container exits for good (what a crashed process on a node looks like)."""
+        pod = self.cluster.get("v1/pods", name, namespace)
+        assert pod is not None, f"no pod {name}"
+        containers = pod["spec"]["containers"]
+        status = {
+            "phase": "Failed",
+            "containerStatuses": [
+                {
+                    "name": container["name"],
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": {"exitCode": exit_code, "reason": "Error", "message": message}},
+                }
+                for container in containers
+            ],
+        }
+        await self.set_pod_status(pod, status)
+
+    async def garbage_collector(self) -> None:
+        c = self.cluster
+        # Repeat until nothing changes: deleting an owner orphans the next level down.
+        while True:
+            live = list(c.all_live())
+            uids = {obj["metadata"].get("uid") for _, _, obj in live}
+            orphans = [
+                (res, ns, obj)
+                for res, ns, obj in live
+                if (refs := obj["metadata"].get("ownerReferences"))
+                and not any(ref.get("uid") in uids for ref in refs)
+            ]
+            if not orphans:
+                return
+            for res, ns, obj in orphans:
+                with contextlib.suppress(AssertionError):  # already gone
+                    await c.api("DELETE", resource_path(res, ns, obj["metadata"]["name"]))
+
+    async def run_once(self) -> None:
+        await self.garbage_collector()
+        await self.statefulset_controller()
+        await self.kubelet()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[ClusterSim]:
+        async def loop() -> None:
+            while True:
+                await self.run_once()
+                await asyncio.sleep(self.interval)
+
+        task = asyncio.create_task(loop())
+        try:
+            yield self
+        finally:
+            task.cancel()
+            try:
+                # A helper that crashed re-raises here and fails the test.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            finally:
+                for pod in list(self._running_pods.values()):
+                    if self.on_pod_stop is not None:
+                        await self.on_pod_stop(pod)
+                self._running_pods.clear()

@@ -1,0 +1,144 @@
+"""A real engine server on 127.0.0.1 for the operator to poll, and a real engine process to kill.
+
+`start_engine_endpoint()` is the one place that decides which server runs. Today it starts
+the stand-in (`standin_engine_server.py`) because `berth serve` is still being built; to use
+the real server, change `server_command()` to
+    [sys.executable, "-m", "berth.cli", "serve", MODEL_DIR, "--host", host, "--port", port]
+and `engine_pid()` to however `berth serve` exposes its engine worker's PID (the stand-in
+reports it as `engine_pid` in GET /admin/state). Nothing else in the tests changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+STANDIN = Path(__file__).with_name("standin_engine_server.py")
+ADMIN_TOKEN = "test-admin-token"
+START_TIMEOUT = 20.0
+STOP_TIMEOUT = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(host: str, port: int) -> list[str]:
+    return [sys.executable, str(STANDIN), "--host", host, "--port", str(port)]
+
+
+@dataclass
+class EngineEndpoint:
+    process: asyncio.subprocess.Process
+    host: str
+    port: int
+    admin_token: str = ADMIN_TOKEN
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def get(self, path: str) -> httpx.Response:
+        async with httpx.AsyncClient() as client:
+            return await client.get(
+                self.url + path, headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5.0
+            )
+
+    async def engine_pid(self) -> int:
+        return int((await self.get("/admin/state")).json()["engine_pid"])
+
+    async def kill_engine(self) -> int:
+        """`kill -9` the engine worker process; returns its PID."""
+        pid = await self.engine_pid()
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), STOP_TIMEOUT)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+
+
+async def start_engine_endpoint(env: Mapping[str, str] | None = None) -> EngineEndpoint:
+    """Start a server on a free 127.0.0.1 port and wait until it answers /live."""
+    host, port = "127.0.0.1", free_port()
+    process = await asyncio.create_subprocess_exec(
+        *server_command(host, port),
+        env={**os.environ, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})},
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    endpoint = EngineEndpoint(process, host, port)
+    deadline = asyncio.get_running_loop().time() + START_TIMEOUT
+    async with httpx.AsyncClient() as client:
+        while True:
+            if process.returncode is not None:
+                raise RuntimeError(f"engine server exited with {process.returncode} before answering")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{endpoint.url}/live", timeout=1.0)).status_code == 200:
+                    return endpoint
+            if asyncio.get_running_loop().time() > deadline:
+                await endpoint.stop()
+                raise RuntimeError(f"engine server did not answer /live within {START_TIMEOUT}s")
+            await asyncio.sleep(0.05)
+
+
+@dataclass
+class EngineFleet:
+    """One server per launcher pod: the kubelet hook starts it when the pod "runs", stops it when
+    the pod is gone, and the operator's address resolver maps the pod to it."""
+
+    endpoints: dict[str, EngineEndpoint] = field(default_factory=dict)  # launcher pod uid -> server
+    started: list[str] = field(default_factory=list)  # pod names, in start order
+    _names: dict[str, str] = field(default_factory=dict)  # launcher pod uid -> pod name
+
+    @staticmethod
+    def is_launcher(pod: Mapping[str, Any]) -> bool:
+        return pod["metadata"].get("labels", {}).get("berth.dev/role") == "launcher"
+
+    async def on_pod_start(self, pod: dict[str, Any]) -> None:
+        if self.is_launcher(pod):
+            uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
+            self.endpoints[uid] = await start_engine_endpoint()
+            self._names[uid] = name
+            self.started.append(name)
+
+    async def on_pod_stop(self, pod: dict[str, Any]) -> None:
+        endpoint = self.endpoints.pop(pod["metadata"]["uid"], None)
+        if endpoint is not None:
+            await endpoint.stop()
+
+    def resolve(self, pod: Mapping[str, Any]) -> tuple[str, int] | None:
+        """The operator's address resolver in tests: launcher pod -> its server on 127.0.0.1."""
+        endpoint = self.endpoints.get(pod["metadata"]["uid"])
+        return endpoint.address if endpoint is not None else None
+
+    def for_pod(self, name: str) -> EngineEndpoint:
+        # The newest server of that pod name (a restarted world reuses its launcher's name).
+        matches = [endpoint for uid, endpoint in self.endpoints.items() if self._names.get(uid) == name]
+        assert matches, f"no running server for pod {name}"
+        return matches[-1]
+
+    async def stop_all(self) -> None:
+        for endpoint in list(self.endpoints.values()):
+            await endpoint.stop()
+        self.endpoints.clear()

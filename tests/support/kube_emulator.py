@@ -1,0 +1,228 @@
+"""kmock 0.8's KubernetesEmulator with the fixes a real client needs (PLATFORM-NOTES, plus more).
+
+Fixes from PLATFORM-NOTES: the namespaces path parser, server-side metadata on create (uid,
+resourceVersion, creationTimestamp, generation), `/api/v1` discovery's groupVersion, list
+responses' kind/apiVersion, 201 on create.
+
+Further gaps found while building the operator's tests, fixed here too:
+- `metadata.generateName` is ignored (kopf's Events all use it: the second Event is a 409);
+- `metadata.generation` never moves (observedGeneration logic is untestable): bumped when a
+  write changes `spec`;
+- `resourceVersion` bumped on every write (the spike bumped it on patches only);
+- the status subresource is not separate: a main-resource write may change status and a
+  `/status` write may change spec; both now behave like the API server's;
+- list ignores `labelSelector` (every list returns the whole namespace): filtered here;
+- every request is matched against each reaction by scanning the whole request history
+  (`request in view` iterates every past request through the filters), so each request costs
+  O(requests so far): 100 LLMDeployments took minutes. A filter now tests the one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime as dt
+import itertools
+import re
+import secrets
+import uuid
+from typing import Any
+
+import kmock
+from kmock._internal import dicts, dsl, enums, parsing, rendering
+
+_original_parse_path = parsing.parse_path
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    # kmock 0.8 answers 500 for the cluster-scoped "namespaces" resource itself.
+    parts = path.strip("/").split("/")
+    if parts[:2] == ["api", "v1"] and parts[2:3] == ["namespaces"] and len(parts) <= 4:
+        return parsing.ParsedPath("", "v1", "namespaces", None, parts[3] if len(parts) == 4 else None, None)
+    return _original_parse_path(path)
+
+
+parsing.parse_path = _parse_path
+
+_original_contains = dsl.View.__contains__
+
+
+def _filter_contains(self: Any, item: Any) -> bool:
+    # A filter's requests are its source's requests that pass its criteria: test the one
+    # request instead of re-filtering the whole history (same answer, O(1) filter calls).
+    if isinstance(item, rendering.Request):
+        return bool(self.criteria(item)) and item in self._source
+    return _original_contains(self, item)
+
+
+def _passthrough_contains(self: Any, item: Any) -> bool:
+    if isinstance(item, rendering.Request):
+        return item in self._source
+    return _original_contains(self, item)
+
+
+def _root_contains(self: Any, item: Any) -> bool:
+    # The request being dispatched is the newest one: look from the end.
+    if isinstance(item, rendering.Request):
+        return any(request is item for request in reversed(self._requests))
+    return _original_contains(self, item)
+
+
+dsl.Filter.__contains__ = _filter_contains
+dsl.Priority.__contains__ = _passthrough_contains
+dsl.Root.__contains__ = _root_contains
+
+_SELECTOR_TERM = re.compile(
+    r"^\s*(?P<neg>!)?(?P<key>[A-Za-z0-9_./-]+)\s*"
+    r"(?:(?P<op>==|=|!=)\s*(?P<value>[A-Za-z0-9_.-]*)|\s+(?P<setop>in|notin)\s*\((?P<values>[^)]*)\))?\s*$"
+)
+
+
+def _split_selector(selector: str) -> list[str]:
+    terms, depth, current = [], 0, ""
+    for char in selector:
+        depth += char == "("
+        depth -= char == ")"
+        if char == "," and depth == 0:
+            terms.append(current)
+            current = ""
+        else:
+            current += char
+    return [*terms, current] if current.strip() else terms
+
+
+def matches_selector(labels: dict[str, str], selector: str) -> bool:
+    """Kubernetes label selector semantics (equality- and set-based)."""
+    for term in _split_selector(selector):
+        match = _SELECTOR_TERM.match(term)
+        if not match:
+            raise ValueError(f"unparsable label selector term {term!r}")
+        key = match["key"]
+        if match["op"] in ("=", "=="):
+            ok = labels.get(key) == match["value"]
+        elif match["op"] == "!=":
+            ok = labels.get(key) != match["value"]
+        elif match["setop"]:
+            values = {value.strip() for value in match["values"].split(",")}
+            ok = (
+                (labels.get(key) in values) == (match["setop"] == "in")
+                if key in labels
+                else match["setop"] == "notin"
+            )
+        else:
+            ok = (key in labels) != bool(match["neg"])
+        if not ok:
+            return False
+    return True
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """Import and use as `@pytest.mark.kmock(cls=Emulator)` or directly with `kmock.Server`."""
+
+    _resource_versions = itertools.count(1)
+    # plural -> seconds a create of that resource takes (to stop an operator half-way).
+    slow_creates: dict[str, float] = {}  # noqa: RUF012  (replaced per instance by tests)
+
+    def _has_status_subresource(self, resource: Any) -> bool:
+        try:
+            return "status" in self.resources[resource].subresources
+        except KeyError:
+            return False
+
+    def _stored(self, request: Any) -> dict[str, Any] | None:
+        try:
+            obj = self.objects[request.resource, request.namespace, request.name]
+        except KeyError:
+            return None
+        return None if obj.deleted else copy.deepcopy(obj.raw)
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == enums.action.CREATE:
+                self._stamp_create(request)
+                delay = self.slow_creates.get(request.resource.plural or "")
+                if delay:
+                    await asyncio.sleep(delay)
+            elif request.action == enums.action.UPDATE:
+                self._stamp_update(request)
+        return await super()._handle(request)
+
+    def _stamp_create(self, request: Any) -> None:
+        meta = request.data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        meta["generation"] = 1
+        if request.namespace and "namespace" not in meta:
+            meta["namespace"] = request.namespace
+        meta["resourceVersion"] = str(next(self._resource_versions))
+
+    def _stamp_update(self, request: Any) -> None:
+        current = self._stored(request)
+        if current is None:
+            return  # kmock answers 404 itself
+        patch = request.data
+        if self._has_status_subresource(request.resource):
+            # The API server keeps spec and status apart: /status writes only status, the
+            # main resource never status.
+            if request.subresource == "status":
+                for key in [key for key in patch if key not in ("status", "metadata")]:
+                    del patch[key]
+            elif request.subresource is None:
+                patch.pop("status", None)
+        merged = dicts.patch_dict(current, patch)
+        meta = patch.setdefault("metadata", {}) if isinstance(patch.get("metadata", {}), dict) else None
+        if meta is None:
+            return
+        if merged.get("spec") != current.get("spec"):
+            meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+        meta["resourceVersion"] = str(next(self._resource_versions))
+
+    async def _serve_version(self, request: Any) -> Any:
+        doc = await super()._serve_version(request)
+        # /api/v1 discovery says groupVersion "/v1"; kubectl then finds no core kinds.
+        if doc.get("groupVersion", "").startswith("/"):
+            doc["groupVersion"] = doc["groupVersion"][1:]
+        return doc
+
+    async def _serve_create(self, request: Any) -> Any:
+        return kmock.Response(status=201, payload=await super()._serve_create(request))
+
+    async def _serve_list(self, request: Any) -> Any:
+        doc = await super()._serve_list(request)
+        resource = request.resource
+        info = self.resources.get(resource)
+        kind = info.kind if info is not None and info.kind else (resource.plural or "").capitalize()
+        doc.setdefault(
+            "apiVersion", f"{resource.group}/{resource.version}" if resource.group else resource.version
+        )
+        doc.setdefault("kind", f"{kind}List")
+        selector = (request.params or {}).get("labelSelector")
+        if selector:
+            doc["items"] = [
+                item
+                for item in doc["items"]
+                if matches_selector(item.get("metadata", {}).get("labels") or {}, selector)
+            ]
+        return doc
+
+
+def declare_resources(emulator: kmock.KubernetesEmulator, namespaces: tuple[str, ...] = ("default",)) -> None:
+    """The built-in kinds, the LLMDeployment CRD's resource, and the given namespaces."""
+    emulator.resources.load_bundled()
+    emulator.resources["berth.dev/v1alpha1/llmdeployments"] = kmock.ResourceInfo(
+        kind="LLMDeployment",
+        singular="llmdeployment",
+        namespaced=True,
+        shortnames={"llmd"},
+        categories={"all", "berth"},
+        subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+    )
+    for namespace in namespaces:
+        emulator.objects["v1/namespaces", None, namespace] = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": namespace, "uid": str(uuid.uuid4())},
+        }

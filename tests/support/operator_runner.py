@@ -1,0 +1,59 @@
+"""Run the real berth operator (kopf, in-process, over HTTP) against a test cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kopf
+
+from berth.operator.health import AddressResolver, pod_address
+from tests.support.cluster import Cluster
+
+# kopf waits this long for its own tasks on stop; it also counts the emulator's request
+# handlers (same event loop) as its own and would wait 5 s for them: cancel after this.
+STOP_GRACE = 0.5
+
+
+def operator_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.queueing.exit_timeout = 0.1
+    settings.queueing.idle_timeout = 0.5
+    # The emulator ignores watch timeouts; reconnect now and then like a real server forces.
+    settings.watching.server_timeout = 10
+    settings.watching.client_timeout = 15
+    settings.posting.level = 0  # post every Event, so tests can assert on them
+    return settings
+
+
+@contextlib.asynccontextmanager
+async def running_operator(
+    cluster: Cluster, resolver: AddressResolver = pod_address, **memo: Any
+) -> AsyncIterator[asyncio.Task[None]]:
+    """The operator with the handlers of `berth.operator.handlers`, standalone, one namespace."""
+    import berth.operator.handlers  # noqa: F401  registers the handlers in kopf's default registry
+
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            standalone=True,
+            namespaces=[cluster.namespace],
+            settings=operator_settings(),
+            stop_flag=stop,
+            ready_flag=ready,
+            memo=kopf.Memo(kubeconfig=str(cluster.kubeconfig), resolve_launcher_address=resolver, **memo),
+        )
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        yield task
+    finally:
+        stop.set()
+        done, _ = await asyncio.wait({task}, timeout=STOP_GRACE)
+        if not done:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
