@@ -31,7 +31,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"berth generate: {error}") from None
     prompts = args.prompts or DEFAULT_PROMPTS
-    with LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size) as llm:
+    try:
+        llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"berth generate: {error}") from None
+    with llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up: first-call costs are not speed
         started = time.perf_counter()
         outputs = llm.generate(prompts, params)

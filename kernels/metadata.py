@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,8 @@ class AttentionMetadata:
     num_prefill_tokens: int
     max_query_len: int  # over the prefill sequences (1 when there are none)
     max_seq_len: int
+    # Tensors derived from the above, computed once per step and shared by every layer.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -68,35 +68,45 @@ def paged_attention(
     return out
 
 
-def _gather(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int
-) -> torch.Tensor:
-    """The sequences' cached tokens as a dense [B, Hk, S, D] tensor, zero past each sequence's end."""
-    block_size = cache.shape[1]
-    num_blocks = -(-max_seq_len // block_size)
-    table = block_tables[:, :num_blocks].long()
-    # index_select on the flat table is several times faster on CPU than advanced indexing.
-    dense = cache.index_select(0, table.flatten())
-    dense = dense.view(table.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :max_seq_len]
-    # Slots past a sequence's end hold stale or never-written data (NaN in a fresh torch.empty
-    # cache), and a masked-out score still multiplies its value: zero them (in place, on the copy).
-    past_end = torch.arange(max_seq_len, device=cache.device)[None] >= seq_lens[:, None]
-    dense.masked_fill_(past_end[:, :, None, None], 0)
-    return dense.transpose(1, 2)
+def _context_slots(md: AttentionMetadata, rows: slice, max_seq_len: int, block_size: int) -> torch.Tensor:
+    """The cache slot of every context position of sequences `rows`: [B, S], int64.
+
+    Positions past a sequence's end point at its position 0 (always written), so a gather
+    never reads stale or never-written slots (NaN in a fresh `torch.empty` cache): a masked-out
+    score still multiplies its value, and 0 * NaN is NaN.
+    """
+    key = ("slots", rows.start, rows.stop, max_seq_len, block_size)
+    if key not in md.derived:
+        seq_lens = md.seq_lens[rows].long()
+        positions = torch.arange(max_seq_len, device=seq_lens.device)[None]
+        positions = torch.where(positions < seq_lens[:, None], positions, 0)
+        blocks = md.block_tables[rows].long().gather(1, positions // block_size)
+        md.derived[key] = blocks * block_size + positions % block_size
+    return md.derived[key]
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cached tokens at `slots` [B, S] as a dense [B, Hk, S, D] tensor."""
+    flat = cache.view(-1, *cache.shape[2:])
+    # index_select is several times faster on CPU than advanced indexing.
+    return flat.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[2:]).transpose(1, 2)
 
 
 def _attend_decodes(query, key_cache, value_cache, md, scale, out) -> None:
     """One query token per sequence: a dense batch with a length mask."""
     first = md.num_prefills
     tokens = slice(md.num_prefill_tokens, md.num_prefill_tokens + md.num_decodes)
-    seq_lens = md.seq_lens[first:].long()
+    rows = slice(first, md.num_seqs)
     max_seq_len = md.max_seq_len
-    block_tables = md.block_tables[first:]
-    mask = torch.arange(max_seq_len, device=query.device)[None] < seq_lens[:, None]  # [B, S]
+    slots = _context_slots(md, rows, max_seq_len, key_cache.shape[1])
+    if "decode_mask" not in md.derived:
+        seq_lens = md.seq_lens[rows].long()
+        md.derived["decode_mask"] = torch.arange(max_seq_len, device=query.device)[None] < seq_lens[:, None]
+    mask = md.derived["decode_mask"]  # [B, S]
     attended = F.scaled_dot_product_attention(
         query[tokens].unsqueeze(2),  # [B, Hq, 1, D]
-        _gather(key_cache, block_tables, seq_lens, max_seq_len),
-        _gather(value_cache, block_tables, seq_lens, max_seq_len),
+        _gather(key_cache, slots),
+        _gather(value_cache, slots),
         attn_mask=mask[:, None, None, :],
         scale=scale,
         enable_gqa=True,
@@ -119,11 +129,11 @@ def _attend_prefills(query, key_cache, value_cache, md, scale, out) -> None:
     mask = (key_positions[None, None] <= query_positions[:, :, None]) & (
         key_positions[None, None] < seq_lens[:, None, None]
     )
-    block_tables = md.block_tables[:last]
+    slots = _context_slots(md, slice(0, last), max_seq_len, key_cache.shape[1])
     attended = F.scaled_dot_product_attention(
         query[token_index].transpose(1, 2),  # [B, Hq, Q, D]
-        _gather(key_cache, block_tables, seq_lens, max_seq_len),
-        _gather(value_cache, block_tables, seq_lens, max_seq_len),
+        _gather(key_cache, slots),
+        _gather(value_cache, slots),
         attn_mask=mask[:, None],
         scale=scale,
         enable_gqa=True,

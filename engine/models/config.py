@@ -6,6 +6,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,6 +40,9 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory: {path} does not exist")
         raw = json.loads(path.read_text())
+        missing = [key for key in REQUIRED_FIELDS if key not in raw]
+        if missing:
+            raise ValueError(f"{path} lacks required fields: {', '.join(missing)}")
         architectures = raw.get("architectures") or [""]
         # transformers >= 5 nests RoPE settings in `rope_parameters`; older files use
         # `rope_theta` + `rope_scaling`. Accept both.

@@ -41,6 +41,7 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     admission: str
+    num_preemptions: int = 0  # since start: a sign the KV pool is too small for the load
 
 
 ResponseSink = Callable[[list[Response], EngineStats], None]
@@ -68,6 +69,7 @@ class PyExecutor:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._active: dict[int, list[LlmRequest]] = {}  # client_id -> its sequences
         self._shutting_down = False
+        self.num_preemptions = 0
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -115,17 +117,23 @@ class PyExecutor:
     def run(self, on_responses: ResponseSink, on_fatal: Callable[[BaseException], None]) -> None:
         try:
             while not self._shutting_down or self.scheduler.has_work():
-                responses = self._fetch_new_requests()
-                if self.scheduler.has_work():
-                    responses += self.step()
+                responses = self.iterate()
                 if responses:
                     on_responses(responses, self.stats())
         except BaseException as error:
             logger.exception("engine loop failed")
             on_fatal(error)
 
+    def iterate(self) -> list[Response]:
+        """One turn of the loop: take what is queued (blocking only while idle), then one step."""
+        responses = self._fetch_new_requests()
+        if self.scheduler.has_work():
+            responses += self.step()
+        return responses
+
     def step(self) -> list[Response]:
         out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
         if not out.scheduled:
             return []
         logits, samplers = self.model_runner.execute(out.scheduled)
@@ -305,6 +313,7 @@ class PyExecutor:
             kv_blocks_used=pool.num_used,
             kv_blocks_total=pool.num_blocks,
             admission=self.request_queue.admission_state.value,
+            num_preemptions=self.num_preemptions,
         )
 
 

@@ -79,6 +79,9 @@ class RequestQueue:
         except queue.Empty:
             return None
 
+    def empty(self) -> bool:
+        return self._items.empty()
+
     def get_nowait_all(self) -> list[QueueItem]:
         items = []
         while True:

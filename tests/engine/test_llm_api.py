@@ -1,0 +1,205 @@
+"""The LLM API end to end on the in-process engine: sampling, stops, n, seeds, abort, async,
+errors. Every test leaves the KV pool empty."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+
+import pytest
+
+from berth.engine import LLM, SamplingParams
+from berth.engine.executor import RequestError
+from tests.engine.conftest import kv_blocks_used
+
+PROMPTS = ["the quick brown fox", "def add(a, b):", "print the lazy dog", "over the"]
+
+
+@pytest.fixture(autouse=True)
+def pool_is_empty_after_each_test(llm):
+    yield
+    # A stop string is found client-side; the engine frees those blocks a turn later.
+    deadline = time.monotonic() + 10
+    while kv_blocks_used(llm) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kv_blocks_used(llm) == 0
+
+
+def greedy(max_tokens: int = 12, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
+
+
+def test_outputs_come_back_in_prompt_order_with_lengths_and_reasons(llm):
+    outputs = llm.generate(PROMPTS, greedy(max_tokens=5, ignore_eos=True))
+    assert [o.prompt for o in outputs] == PROMPTS
+    for output in outputs:
+        (completion,) = output.outputs
+        assert output.finished and completion.finish_reason == "length"
+        assert len(completion.token_ids) == 5
+        assert completion.text == llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_same_seed_same_output_whatever_else_is_batched(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    companions = [SamplingParams(temperature=1.0, seed=s, max_tokens=16) for s in range(5)]
+    crowded = llm.generate([PROMPTS[0], *PROMPTS[1:], *PROMPTS[1:]], [params, *companions, companions[0]])
+    assert crowded[0].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=16, ignore_eos=True)
+    assert llm.generate(PROMPTS[0], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_n_gives_n_distinct_indexed_samples(llm):
+    params = SamplingParams(n=3, temperature=1.5, seed=7, max_tokens=10, ignore_eos=True)
+    (output,) = llm.generate(PROMPTS[1], params)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 for c in output.outputs)
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+
+
+def test_top_k_one_is_greedy(llm):
+    sampled = llm.generate(PROMPTS[2], SamplingParams(temperature=0.8, top_k=1, max_tokens=10, seed=5))
+    assert sampled[0].outputs[0].token_ids == llm.generate(PROMPTS[2], greedy(10))[0].outputs[0].token_ids
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(llm):
+    full = llm.generate(PROMPTS[0], greedy(20, ignore_eos=True))[0].outputs[0].text
+    stop = full[6:9]
+    assert len(stop) == 3 and stop.strip(), f"the greedy text is too short to pick a stop from: {full!r}"
+    cut = full[: full.find(stop)]
+    completion = llm.generate(PROMPTS[0], greedy(20, ignore_eos=True, stop=[stop, "\x00never"]))[0].outputs[0]
+    assert completion.text == cut
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    kept = llm.generate(PROMPTS[0], greedy(20, ignore_eos=True, stop=stop, include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == cut + stop
+
+
+def test_stop_string_never_leaks_while_streaming(llm):
+    full = llm.generate(PROMPTS[3], greedy(20, ignore_eos=True))[0].outputs[0].text
+    stop = full[5:8]
+    streamed = ""
+    for update in llm.generate_async(PROMPTS[3], greedy(20, ignore_eos=True, stop=stop), streaming=True):
+        streamed += update.outputs[0].text_diff
+        assert stop not in streamed
+    assert streamed == full[: full.find(stop)]
+
+
+def test_stop_token_ends_generation_with_its_id(llm):
+    tokens = llm.generate(PROMPTS[1], greedy(12, ignore_eos=True))[0].outputs[0].token_ids
+    stop_id = tokens[4]
+    cut = tokens.index(stop_id)
+    completion = llm.generate(PROMPTS[1], greedy(12, ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert completion.token_ids == tokens[: cut + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
+
+
+def test_eos_ends_generation_unless_ignored(llm):
+    eos = llm.executor.engine.model_config.eos_token_ids[0]
+    # Make EOS the only likely token: a stop at EOS is "stop" with no stop_reason.
+    biased = llm.generate([[eos] * 3], greedy(30))[0].outputs[0]
+    ignoring = llm.generate([[eos] * 3], greedy(30, ignore_eos=True))[0].outputs[0]
+    assert len(ignoring.token_ids) == 30 and ignoring.finish_reason == "length"
+    if eos in ignoring.token_ids:
+        assert biased.token_ids == ignoring.token_ids[: ignoring.token_ids.index(eos) + 1]
+        assert biased.finish_reason == "stop" and biased.stop_reason is None
+    else:
+        assert biased.token_ids == ignoring.token_ids
+
+
+def test_logprobs_are_normalised_ranked_and_include_the_sampled_token(llm):
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=4, ignore_eos=True)
+    completion = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert len(completion.logprobs) == 6
+    for token, step in zip(completion.token_ids, completion.logprobs):
+        assert token in step
+        top = sorted((lp for tid, lp in step.items() if lp.rank <= 4), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in top] == [1, 2, 3, 4]
+        assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(top))
+        assert sum(math.exp(lp.logprob) for lp in top) <= 1.0 + 1e-5
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(step[t].logprob for t, step in zip(completion.token_ids, completion.logprobs))
+    )
+
+
+def test_abort_mid_stream_ends_with_abort_and_frees_blocks(llm):
+    result = llm.generate_async(PROMPTS[0], greedy(400, ignore_eos=True), streaming=True)
+    other = llm.generate_async(PROMPTS[1], greedy(8, ignore_eos=True))
+    for update in result:
+        if len(update.outputs[0].token_ids) >= 3:
+            result.abort()
+    final = result.result(timeout=30)
+    assert final.outputs[0].finish_reason == "abort"
+    assert 3 <= len(final.outputs[0].token_ids) < 400
+    assert other.result(timeout=30).outputs[0].finish_reason == "length"  # the other one goes on
+
+
+async def test_await_and_async_streaming(llm):
+    params = greedy(10, ignore_eos=True)
+    expected = llm.generate(PROMPTS[2], params)[0].outputs[0]
+    awaited = await llm.generate_async(PROMPTS[2], params)
+    assert awaited.outputs[0].token_ids == expected.token_ids
+
+    tokens, text = [], ""
+    async for update in llm.generate_async(PROMPTS[2], params, streaming=True):
+        tokens += update.outputs[0].token_ids_diff
+        text += update.outputs[0].text_diff
+    assert tokens == expected.token_ids and text == expected.text
+
+    many = await asyncio.gather(*(llm.generate_async(p, params) for p in PROMPTS * 4))
+    assert [m.prompt for m in many] == PROMPTS * 4
+
+
+def test_request_errors_fail_alone_with_a_clear_message(llm):
+    vocab = llm.executor.engine.model_config.vocab_size
+    good = llm.generate_async(PROMPTS[0], greedy(4))
+    bad = llm.generate_async([1, vocab + 10], greedy(4))
+    with pytest.raises(RequestError, match=f"token id {vocab + 10}"):
+        bad.result(timeout=30)
+    with pytest.raises(RequestError):  # the error is sticky
+        bad.result(timeout=0)
+    assert good.result(timeout=30).finished
+
+
+def test_a_request_longer_than_the_pool_is_rejected_at_once(tiny_model):
+    with LLM(tiny_model, executor="in-process", kv_cache_blocks=4, kv_block_size=16) as small:
+        with pytest.raises(RequestError, match=r"needs 7 blocks .* but the pool holds 4 blocks"):
+            small.generate([list(range(3, 13))], SamplingParams(max_tokens=100))
+        assert small.generate("ok", greedy(4))[0].finished  # the engine goes on
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("n", 0),
+        ("seed", 1.5),
+        ("stop", ""),
+        ("stop_token_ids", [-1]),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [([], "at least one token"), ([[1, 2]], "one-dimensional"), ([1, -3], "non-negative")],
+)
+def test_malformed_prompts_are_refused_at_submit(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate_async(prompt, greedy(4))
+
+
+@pytest.mark.parametrize("priority", [-0.1, 1.1, float("nan")])
+def test_priority_outside_zero_one_is_refused(llm, priority):
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate_async(PROMPTS[0], greedy(4), priority=priority)
