@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("berth.engine.generate_cli", "generate text from prompts with the LLM API"),
     "serve": ("berth.engine.serve.cli", "run the OpenAI-compatible server"),
     "launch": ("berth.engine.launch", "cluster entry point: mpirun the world, serve it"),
-    "bench": ("berth.engine.bench.cli", "benchmarks: throughput, serve"),
+    "bench": ("berth.engine.bench.cli", "benchmarks: throughput, proxy, serve"),
     "operator": ("berth.operator.cli", "run the Kubernetes operator (kopf)"),
 }
 

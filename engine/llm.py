@@ -32,9 +32,12 @@ class LLM:
         model: str | Path,
         *,
         tokenizer: str | Path | None = None,
-        executor: str = "in-process",
+        executor: str = "proxy",
         **engine_options,
     ) -> None:
+        if not (Path(model) / "config.json").is_file():
+            # Checked here, before the tokenizer loader mistakes a typo for a hub model id.
+            raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
         self.config = EngineConfig(model=str(model), **engine_options)
         self.tokenizer = load_tokenizer(tokenizer or model)
         self._executor = create_executor(self.config, self.tokenizer, mode=executor)

@@ -1,4 +1,4 @@
-"""`berth bench {throughput,serve}`."""
+"""`berth bench {throughput,proxy,serve}`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import importlib.util
 
 BENCHMARKS = {
     "throughput": ("berth.engine.bench.throughput", "offline throughput: berth vs transformers generate"),
+    "proxy": ("berth.engine.bench.proxy", "the proxy + worker shape vs the in-process engine"),
     "serve": ("berth.engine.bench.serve", "load-test a running OpenAI-compatible server"),
 }
 

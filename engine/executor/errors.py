@@ -21,3 +21,18 @@ class RequestError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine has died: no request can complete. Every pending and later request gets this."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while the engine still needed it (killed, crashed, out of memory)."""
+
+
+class RemoteTraceback(Exception):
+    """Where an error raised in a worker process came from: attached as its `__cause__`."""
+
+    def __init__(self, traceback: str) -> None:
+        super().__init__(traceback)
+        self.traceback = traceback
+
+    def __str__(self) -> str:
+        return f"\n\nin the worker process:\n{self.traceback}"

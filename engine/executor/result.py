@@ -61,11 +61,19 @@ class _Sequence:
                 return True
         if response.finish_reason is not None:
             self.finish_reason, self.stop_reason = response.finish_reason, response.stop_reason
-            if self.detokenizer is None and self.tokenizer is not None:
-                self.text = self.tokenizer.decode(
-                    self.token_ids, skip_special_tokens=self.params.skip_special_tokens
-                )
+            if self.tokenizer is not None:
+                self._decode_all()
         return False
+
+    def _decode_all(self) -> None:
+        """The final text: a full decode, as a non-streamed result has. A streamed one only
+        takes what it adds at the end: the incremental detokenizer holds back a trailing
+        incomplete UTF-8 character for good (a full decode shows it as U+FFFD), and text
+        already streamed is never rewritten."""
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        streamed_prefix_kept = len(full) > len(self.text) and full.startswith(self.text)
+        if self.detokenizer is None or streamed_prefix_kept:
+            self.text = full
 
     def _match_stop_string(self, checked: int) -> bool:
         # Only a match that ends in the new text is new: start just far enough back.
