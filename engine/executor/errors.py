@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 
 class RequestError(RuntimeError):
     """Fails one request; the engine goes on serving the others.
@@ -25,6 +27,17 @@ class EngineDeadError(RuntimeError):
 
 class WorkerDiedError(RuntimeError):
     """A worker process exited while the engine still needed it (killed, crashed, out of memory)."""
+
+
+def how_it_exited(returncode: int) -> str:
+    """A process's end in words: `killed by signal 9 (SIGKILL)` reads better than code -9."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+        return f"was killed by signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
 
 
 class RemoteTraceback(Exception):

@@ -29,7 +29,7 @@ import zmq
 
 from berth.engine.config import EngineConfig
 from berth.engine.executor import ipc
-from berth.engine.executor.errors import EngineDeadError, RemoteTraceback, WorkerDiedError
+from berth.engine.executor.errors import EngineDeadError, RemoteTraceback, WorkerDiedError, how_it_exited
 from berth.engine.executor.executor import GenerationExecutor
 from berth.engine.executor.messages import (
     AbortRequest,
@@ -148,8 +148,8 @@ class ProxyExecutor(GenerationExecutor):
                 if received is not None:
                     return received
                 raise WorkerDiedError(
-                    f"the worker process {self._process.pid} exited with code "
-                    f"{self._process.returncode} while {doing}"
+                    f"the worker process {self._process.pid} {how_it_exited(self._process.returncode)} "
+                    f"while {doing}"
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the worker did not finish {doing} in time")
@@ -174,12 +174,12 @@ class ProxyExecutor(GenerationExecutor):
         if self._closing:
             if code != 0 and not self.is_dead:
                 logger.warning(
-                    "the worker process %d exited with code %d during shutdown", self._process.pid, code
+                    "the worker process %d %s during shutdown", self._process.pid, how_it_exited(code)
                 )
             return
         # The root cause (a WorkerFatal) may be queued just before the exit: let it win.
         self._last_words_routed.wait(LAST_WORDS_SECONDS)
-        self._set_fatal(WorkerDiedError(f"the worker process {self._process.pid} exited with code {code}"))
+        self._set_fatal(WorkerDiedError(f"the worker process {self._process.pid} {how_it_exited(code)}"))
 
     def _check_workers(self) -> None:
         """The backstop: a worker whose pid is gone is dead, whatever else was (not) noticed."""

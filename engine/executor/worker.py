@@ -17,6 +17,7 @@ import argparse
 import itertools
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
+    # Ctrl-C reaches the whole terminal's process group; the proxy owns the shutdown (it lets
+    # in-flight requests end), so the worker leaves only when told to or when its proxy is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     key = ipc.key_from_env()
     context = zmq.Context()
     init = ipc.open_socket(context, zmq.DEALER, args.init_address, key, ipc.INIT_STATUS, bind=False)

@@ -1,5 +1,5 @@
 """Fixtures for the operator tests: a cluster (kmock emulator + kubectl + the simulated
-controllers), real engine servers on 127.0.0.1 for launcher pods, the operator itself."""
+controllers), a real `berth serve` on 127.0.0.1 for each launcher pod, the operator itself."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
 
 
 @pytest.fixture
-async def fleet() -> AsyncIterator[EngineFleet]:
-    fleet = EngineFleet()
+async def fleet(tiny_model: Path) -> AsyncIterator[EngineFleet]:
+    fleet = EngineFleet(tiny_model)
     try:
         yield fleet
     finally:

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from berth.operator import naming
 from tests.support.cluster import Cluster, ClusterSim, wait_for
-from tests.support.engine_endpoint import EngineFleet
+from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
 from tests.support.operator_runner import running_operator
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
@@ -69,7 +69,7 @@ async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
     async with running_operator(cluster, fleet.resolve):
         await cluster.kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
         await wait_for(lambda: all_children_exist(cluster), 15, "every child of llama")
-        await wait_for(lambda: ready(cluster), 20, "llama Ready")
+        await wait_for(lambda: ready(cluster), START_TIMEOUT, "llama Ready")
         # Events are posted in the background: wait for the last one before stopping.
         await wait_for(lambda: ("WorldReady", "world 1 is ready") in event_reasons(cluster), 5, "the Events")
 
@@ -197,7 +197,7 @@ async def test_operator_restarted_half_way_creates_no_duplicates(
     cluster.emulator.slow_creates = {}
     async with running_operator(cluster, fleet.resolve):
         await wait_for(lambda: all_children_exist(cluster), 15, "every child after the restart")
-        await wait_for(lambda: ready(cluster), 20, "llama Ready after the restart")
+        await wait_for(lambda: ready(cluster), START_TIMEOUT, "llama Ready after the restart")
         settled = versions(cluster)
 
     reconciled_before = successful_reconciles()
@@ -220,7 +220,7 @@ async def test_deleting_the_llmdeployment_removes_everything_it_owned(
 ) -> None:
     async with running_operator(cluster, fleet.resolve):
         await cluster.kubectl("apply", "--validate=false", "-f", str(EXAMPLE))
-        await wait_for(lambda: ready(cluster), 20, "llama Ready")
+        await wait_for(lambda: ready(cluster), START_TIMEOUT, "llama Ready")
         assert llmd(cluster)["metadata"]["finalizers"] == ["berth.dev/operator"]
         await cluster.kubectl("delete", "llmd", "llama", "--timeout=20s", timeout=30)
         await wait_for(lambda: not llmd(cluster), 10, "llama gone")
@@ -236,7 +236,7 @@ async def test_deleting_the_llmdeployment_removes_everything_it_owned(
         )
     for resource in [*EXPECTED, "v1/pods"]:
         assert cluster.names(resource) == [], resource
-    await wait_for(lambda: not fleet.endpoints, 5, "every launcher's server stopped")
+    await wait_for(lambda: not fleet.endpoints, 30, "every launcher's server stopped")
 
 
 async def test_children_changed_behind_the_operators_back_are_repaired(
@@ -247,7 +247,7 @@ async def test_children_changed_behind_the_operators_back_are_repaired(
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(fast))
     async with running_operator(cluster, fleet.resolve, resync_seconds=0.5):
         await cluster.kubectl("apply", "--validate=false", "-f", str(tmp_path / "llama.yaml"))
-        await wait_for(lambda: ready(cluster), 20, "llama Ready")
+        await wait_for(lambda: ready(cluster), START_TIMEOUT, "llama Ready")
         key_before = cluster.get("v1/secrets", "llama-engine-key")["data"]
         await cluster.api("DELETE", "/api/v1/namespaces/default/services/llama")
         await cluster.api(

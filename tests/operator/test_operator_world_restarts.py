@@ -1,8 +1,7 @@
 """Dead worlds against real processes: the launcher address is a server on 127.0.0.1 whose
 engine is a separate process; `kill -9` of that process must restart the whole world.
 
-Uses the STAND-IN server (tests/support/standin_engine_server.py) until `berth serve`
-exists; tests/support/engine_endpoint.py is the one place to switch.
+Each launcher pod's address is a real `berth serve` (tests/support/engine_endpoint.py).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from prometheus_client import REGISTRY
 
 from berth.operator.restarts import parse_time
 from tests.support.cluster import Cluster, ClusterSim, wait_for
-from tests.support.engine_endpoint import EngineFleet
+from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
 from tests.support.operator_runner import running_operator
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
@@ -48,6 +47,13 @@ def condition(cluster: Cluster, kind: str) -> dict[str, Any]:
 def uid(cluster: Cluster, pod: str) -> str | None:
     obj = cluster.get("v1/pods", pod)
     return obj["metadata"]["uid"] if obj else None
+
+
+def new_running_pod(cluster: Cluster, name: str, old_uid: str | None) -> bool:
+    pod = cluster.get("v1/pods", name) or {"metadata": {}}
+    return (
+        pod["metadata"].get("uid") not in (None, old_uid) and pod.get("status", {}).get("phase") == "Running"
+    )
 
 
 def ready_after(cluster: Cluster, restarts: int) -> bool:
@@ -98,13 +104,13 @@ async def test_kill_9_of_the_engine_restarts_the_whole_world(
     )
     async with running_operator(cluster, fleet.resolve):
         await apply_small_example(cluster, tmp_path)
-        await wait_for(lambda: ready_after(cluster, 0), 20, "the world Ready")
+        await wait_for(lambda: ready_after(cluster, 0), START_TIMEOUT, "the world Ready")
         old = {pod: uid(cluster, pod) for pod in ("llama-w0-launcher", "llama-w0-0", "llama-w0-1")}
 
         pid = await fleet.for_pod("llama-w0-launcher").kill_engine()
-        await wait_for(lambda: ready_after(cluster, 1), 20, "the world Ready again after one restart")
+        await wait_for(lambda: ready_after(cluster, 1), START_TIMEOUT, "Ready after one restart")
 
-    expected_error = f"engine worker process {pid} killed by signal 9 (SIGKILL)"
+    expected_error = f"WorkerDiedError: the worker process {pid} was killed by signal 9 (SIGKILL)"
     restarted = world(cluster)
     assert restarted["lastRestartReason"] == "EngineDead"
     assert restarted["lastEngineError"] == expected_error
@@ -129,13 +135,16 @@ async def test_repeated_deaths_back_off_then_exhaust_the_budget(
         await apply_small_example(
             cluster, tmp_path, maxRestarts=2, backoffSeconds=backoff, maxBackoffSeconds=60
         )
-        await wait_for(lambda: ready_after(cluster, 0), 20, "the world Ready")
+        await wait_for(lambda: ready_after(cluster, 0), START_TIMEOUT, "the world Ready")
 
+        first_worker = uid(cluster, "llama-w0-1")
         await fleet.for_pod("llama-w0-launcher").kill_engine()
-        await wait_for(lambda: ready_after(cluster, 1), 20, "Ready after restart 1")
-        # Killed again at once: the second restart must wait `backoff` seconds after the first.
-        await fleet.for_pod("llama-w0-launcher").kill_engine()
-        await wait_for(lambda: ready_after(cluster, 2), 20, "Ready after restart 2")
+        await wait_for(lambda: world(cluster).get("restarts") == 1, 10, "restart 1")
+        # The new world fails again at once (a worker pod crashes while the engine still loads):
+        # the second restart must wait `backoff` seconds after the first.
+        await wait_for(lambda: new_running_pod(cluster, "llama-w0-1", first_worker), 10, "the new worker")
+        await sim.fail_pod("llama-w0-1", "rank 1: CUDA error: an illegal memory access", exit_code=134)
+        await wait_for(lambda: ready_after(cluster, 2), START_TIMEOUT, "Ready after restart 2")
         pid = await fleet.for_pod("llama-w0-launcher").kill_engine()
         await wait_for(lambda: world(cluster).get("phase") == "Failed", 10, "the world Failed")
         failed_launcher = uid(cluster, "llama-w0-launcher")
@@ -147,7 +156,7 @@ async def test_repeated_deaths_back_off_then_exhaust_the_budget(
     first, second = (parse_time(t) for t in current["restartTimes"])
     assert (second - first).total_seconds() >= backoff
     assert "BackingOff" in phases, phases
-    error = f"engine worker process {pid} killed by signal 9 (SIGKILL)"
+    error = f"WorkerDiedError: the worker process {pid} was killed by signal 9 (SIGKILL)"
     degraded = condition(cluster, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "RestartBudgetExhausted"
     assert error in degraded["message"] and "health.maxRestarts=2" in degraded["message"]
@@ -161,10 +170,10 @@ async def test_a_failed_worker_pod_restarts_the_world(
 ) -> None:
     async with running_operator(cluster, fleet.resolve):
         await apply_small_example(cluster, tmp_path)
-        await wait_for(lambda: ready_after(cluster, 0), 20, "the world Ready")
+        await wait_for(lambda: ready_after(cluster, 0), START_TIMEOUT, "the world Ready")
         old_launcher = uid(cluster, "llama-w0-launcher")
         await sim.fail_pod("llama-w0-1", "rank 1: NCCL error: unhandled system error", exit_code=134)
-        await wait_for(lambda: ready_after(cluster, 1), 20, "Ready after the worker's failure")
+        await wait_for(lambda: ready_after(cluster, 1), START_TIMEOUT, "Ready after the worker's failure")
 
     restarted = world(cluster)
     assert restarted["lastRestartReason"] == "WorkerFailed"

@@ -1,11 +1,9 @@
-"""A real engine server on 127.0.0.1 for the operator to poll, and a real engine process to kill.
+"""Real `berth serve` processes on 127.0.0.1 for the operator to poll, and a real `kill -9` of
+their engine worker process.
 
-`start_engine_endpoint()` is the one place that decides which server runs. Today it starts
-the stand-in (`standin_engine_server.py`) because `berth serve` is still being built; to use
-the real server, change `server_command()` to
-    [sys.executable, "-m", "berth.cli", "serve", MODEL_DIR, "--host", host, "--port", port]
-and `engine_pid()` to however `berth serve` exposes its engine worker's PID (the stand-in
-reports it as `engine_pid` in GET /admin/state). Nothing else in the tests changes.
+Each launcher pod the simulated kubelet runs gets its own `berth serve` on a tiny checkpoint
+(proxy + worker processes, as in production). The server starts in the background, as a real
+launcher's does: until it answers, the operator sees an unreachable engine ("Starting").
 """
 
 from __future__ import annotations
@@ -23,10 +21,13 @@ from typing import Any
 
 import httpx
 
-STANDIN = Path(__file__).with_name("standin_engine_server.py")
 ADMIN_TOKEN = "test-admin-token"
-START_TIMEOUT = 20.0
-STOP_TIMEOUT = 5.0
+# A server imports torch, loads the model and spawns its worker: seconds on a quiet 2-core
+# machine, many more while other tests run. Tests wait for Ready with this bound.
+START_TIMEOUT = 90.0
+STOP_TIMEOUT = 10.0
+# Small engine options: the tests only need the engine to live, answer and die.
+ENGINE_OPTIONS = ("--kv-blocks", "32", "--max-batch-size", "4", "--shutdown-timeout", "1")
 
 
 def free_port() -> int:
@@ -35,8 +36,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(host: str, port: int) -> list[str]:
-    return [sys.executable, str(STANDIN), "--host", host, "--port", str(port)]
+def server_command(model: Path, host: str, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "berth", "serve", str(model),
+        "--host", host, "--port", str(port), "--log-level", "warning", *ENGINE_OPTIONS,
+    ]  # fmt: skip
 
 
 @dataclass
@@ -60,7 +64,22 @@ class EngineEndpoint:
                 self.url + path, headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5.0
             )
 
+    async def wait_up(self, timeout: float = START_TIMEOUT) -> None:
+        """Until the server answers /live (its engine is loaded by then)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with httpx.AsyncClient() as client:
+            while True:
+                if self.process.returncode is not None:
+                    raise RuntimeError(f"berth serve exited with {self.process.returncode} before answering")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.url}/live", timeout=1.0)).status_code == 200:
+                        return
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"berth serve did not answer /live within {timeout} s")
+                await asyncio.sleep(0.05)
+
     async def engine_pid(self) -> int:
+        await self.wait_up()
         return int((await self.get("/admin/state")).json()["engine_pid"])
 
     async def kill_engine(self) -> int:
@@ -79,27 +98,15 @@ class EngineEndpoint:
                 await self.process.wait()
 
 
-async def start_engine_endpoint(env: Mapping[str, str] | None = None) -> EngineEndpoint:
-    """Start a server on a free 127.0.0.1 port and wait until it answers /live."""
+async def start_engine_endpoint(model: Path, env: Mapping[str, str] | None = None) -> EngineEndpoint:
+    """Start `berth serve` on a free 127.0.0.1 port; returns at once (see `wait_up`)."""
     host, port = "127.0.0.1", free_port()
     process = await asyncio.create_subprocess_exec(
-        *server_command(host, port),
+        *server_command(model, host, port),
         env={**os.environ, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})},
         stdout=asyncio.subprocess.DEVNULL,
     )
-    endpoint = EngineEndpoint(process, host, port)
-    deadline = asyncio.get_running_loop().time() + START_TIMEOUT
-    async with httpx.AsyncClient() as client:
-        while True:
-            if process.returncode is not None:
-                raise RuntimeError(f"engine server exited with {process.returncode} before answering")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(f"{endpoint.url}/live", timeout=1.0)).status_code == 200:
-                    return endpoint
-            if asyncio.get_running_loop().time() > deadline:
-                await endpoint.stop()
-                raise RuntimeError(f"engine server did not answer /live within {START_TIMEOUT}s")
-            await asyncio.sleep(0.05)
+    return EngineEndpoint(process, host, port)
 
 
 @dataclass
@@ -107,6 +114,7 @@ class EngineFleet:
     """One server per launcher pod: the kubelet hook starts it when the pod "runs", stops it when
     the pod is gone, and the operator's address resolver maps the pod to it."""
 
+    model: Path  # the checkpoint every server loads
     endpoints: dict[str, EngineEndpoint] = field(default_factory=dict)  # launcher pod uid -> server
     started: list[str] = field(default_factory=list)  # pod names, in start order
     _names: dict[str, str] = field(default_factory=dict)  # launcher pod uid -> pod name
@@ -118,7 +126,7 @@ class EngineFleet:
     async def on_pod_start(self, pod: dict[str, Any]) -> None:
         if self.is_launcher(pod):
             uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
-            self.endpoints[uid] = await start_engine_endpoint()
+            self.endpoints[uid] = await start_engine_endpoint(self.model)
             self._names[uid] = name
             self.started.append(name)
 
