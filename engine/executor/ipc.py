@@ -44,10 +44,13 @@ def key_from_env() -> bytes:
     return key
 
 
+IPC_FOLDER_PREFIX = "berth-"
+
+
 def ipc_addresses(directory: str | Path | None = None) -> tuple[dict[str, str], Path]:
     """Addresses for processes on one machine: Unix sockets in a fresh 0700 directory (so only
     this user can even connect). Returns the addresses and the directory to remove at the end."""
-    folder = Path(tempfile.mkdtemp(prefix="berth-", dir=directory))
+    folder = Path(tempfile.mkdtemp(prefix=IPC_FOLDER_PREFIX, dir=directory))
     names = {"requests": REQUESTS, "results": RESULTS, "init_status": INIT_STATUS}
     return {name: f"ipc://{folder / queue.decode()}" for name, queue in names.items()}, folder
 

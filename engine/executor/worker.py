@@ -17,12 +17,14 @@ import argparse
 import itertools
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import zmq
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if args.parent_pid:
-        _exit_with_parent(args.parent_pid)
+        _exit_with_parent(args.parent_pid, _ipc_folder(args.request_address))
     # Ctrl-C reaches the whole terminal's process group; the proxy owns the shutdown (it lets
     # in-flight requests end), so the worker leaves only when told to or when its proxy is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -115,13 +117,24 @@ def _initialize(init: ipc.SignedSocket, rank: int, request_address: str):
     return engine
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A worker outlives its proxy by at most a moment: nobody could read its results."""
+def _ipc_folder(address: str) -> Path | None:
+    """The proxy's private socket folder (`ipc_addresses`), if the queues are Unix sockets."""
+    if not address.startswith("ipc://"):
+        return None
+    folder = Path(address.removeprefix("ipc://")).parent
+    return folder if folder.name.startswith(ipc.IPC_FOLDER_PREFIX) else None
+
+
+def _exit_with_parent(parent_pid: int, ipc_folder: Path | None) -> None:
+    """A worker outlives its proxy by at most a moment: nobody could read its results. A proxy
+    that was killed could not remove its socket folder: the worker does it on the way out."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_CHECK_SECONDS)
         logger.warning("the proxy process %d is gone: exiting", parent_pid)
+        if ipc_folder is not None:
+            shutil.rmtree(ipc_folder, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="berth-parent-watch", daemon=True).start()

@@ -110,6 +110,40 @@ def test_the_interpreter_exits_promptly_without_shutdown(tiny_model, tmp_path, w
     assert wait_until(lambda: not pid_alive(engine_pid), timeout=5), "the worker outlived its proxy"
 
 
+PROXY_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from berth.engine import LLM
+
+    llm = LLM(sys.argv[1], max_batch_size=8)
+    print(llm.executor.engine_pid, flush=True)
+    time.sleep(120)  # killed by the test long before
+    """
+)
+
+
+def test_a_worker_whose_proxy_is_killed_exits_and_removes_the_socket_folder(tiny_model, tmp_path):
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
+    script = tmp_path / "proxy.py"
+    script.write_text(PROXY_SCRIPT)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tiny_model)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(sockets)},  # where the proxy makes its ipc:// folder
+    )
+    try:
+        engine_pid = int(call_with_timeout(process.stdout.readline, 60))
+        assert [p.name[:6] for p in sockets.iterdir()] == ["berth-"]
+        process.kill()
+        process.wait(timeout=10)
+        assert wait_until(lambda: not pid_alive(engine_pid), timeout=5), "the worker outlived its proxy"
+        assert list(sockets.iterdir()) == [], "the killed proxy's socket folder was left behind"
+    finally:
+        process.kill()
+
+
 def truncated_checkpoint(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
     weights = target / "model.safetensors"
