@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         f"(prompt {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
         f"seed {args.seed}); batch size {args.batch_size}; torch threads {torch.get_num_threads()}"
     )
-    berth_seconds = _run_berth(llm, workload, SamplingParams)
+    berth_seconds = run_berth(llm, workload, SamplingParams)
     llm.shutdown()
     print(f"berth:        {berth_seconds:8.2f} s  {total_out / berth_seconds:10.1f} output tok/s")
     if args.skip_hf:
@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_berth(llm, workload: list[WorkItem], sampling_params) -> float:
+def run_berth(llm, workload: list[WorkItem], sampling_params) -> float:
+    """Seconds `llm.generate` takes for the whole workload (after a warm-up); also `berth bench
+    serve`'s offline baseline."""
     params = [
         sampling_params(temperature=0, max_tokens=item.output_len, ignore_eos=True) for item in workload
     ]

@@ -1,0 +1,123 @@
+"""`POST /v1/chat/completions`: messages rendered through the checkpoint's chat template."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+
+from berth.engine.serve.auth import require_api_key
+from berth.engine.serve.completions import STREAM_DOC
+from berth.engine.serve.context import ServingContext, serving
+from berth.engine.serve.errors import bad_request
+from berth.engine.serve.generation import Generation, unless_disconnected
+from berth.engine.serve.logprobs import chat_logprobs
+from berth.engine.serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    Usage,
+)
+from berth.engine.serve.sampling import check_supported, check_token_ids, resolve_max_tokens, sampling_params
+from berth.engine.serve.streaming import sse_response
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_DOC)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    ctx = serving(request)
+    ctx.check_model(body.model)
+    ctx.check_admitting()
+    check_supported(ctx, body)
+    prompt = check_token_ids(ctx, _render(ctx, body), "messages")
+    budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(
+        ctx, getattr(body, budget_param), len(prompt), param=budget_param, prompt_param="messages"
+    )
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs)
+    generation = Generation(ctx, [prompt], [params], prompt_param="messages")
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    try:
+        if body.stream:
+            await unless_disconnected(request, generation.start())
+            chunk = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[])
+            return sse_response(_chunks(body, generation, chunk), generation)
+        [output] = await unless_disconnected(request, generation.final_outputs())
+    except BaseException:
+        generation.abort()
+        raise
+    choices = [
+        ChatChoice(
+            index=seq.index,
+            message=AssistantMessage(content=seq.text),
+            logprobs=chat_logprobs(seq, 0, top_logprobs) if top_logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        for seq in output.outputs
+    ]
+    return ChatCompletionResponse(
+        id=request_id,
+        created=created,
+        model=ctx.model_name,
+        choices=choices,
+        usage=Usage.of([prompt], [output]),
+    )
+
+
+def _render(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    messages = [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
+    ]
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+        )
+    except Exception as error:  # the template is the checkpoint's code; it may refuse these messages
+        raise bad_request(
+            f"the model's chat template cannot render these messages: {error}", "messages"
+        ) from error
+    # The template writes the special tokens it wants (BOS included): add none of our own.
+    return ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+async def _chunks(
+    body: ChatCompletionRequest, generation: Generation, chunk: ChatCompletionChunk
+) -> AsyncIterator[ChatCompletionChunk]:
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    for index in range(body.n):  # OpenAI opens every choice with the role
+        yield _with(chunk, ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
+    latest = None
+    done: set[int] = set()
+    async for _, output in generation:
+        latest = output
+        for seq in output.outputs:
+            wants_logprobs = top_logprobs is not None and seq.token_ids_diff
+            if seq.index in done or not (seq.text_diff or seq.finished or wants_logprobs):
+                continue
+            if seq.finished:
+                done.add(seq.index)
+            start = len(seq.token_ids) - len(seq.token_ids_diff)
+            yield _with(
+                chunk,
+                ChatStreamChoice(
+                    index=seq.index,
+                    delta={"content": seq.text_diff} if seq.text_diff else {},
+                    logprobs=chat_logprobs(seq, start, top_logprobs) if top_logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                ),
+            )
+    if body.stream_options and body.stream_options.include_usage:
+        yield chunk.model_copy(update={"usage": Usage.of(generation.prompt_token_ids, [latest])})
+
+
+def _with(chunk: ChatCompletionChunk, choice: ChatStreamChoice) -> ChatCompletionChunk:
+    return chunk.model_copy(update={"choices": [choice]})

@@ -1,0 +1,111 @@
+"""`POST /v1/completions`: one or more prompts (text or token ids), `n` choices each."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+
+from berth.engine.outputs import CompletionOutput, RequestOutput
+from berth.engine.serve.auth import require_api_key
+from berth.engine.serve.context import ServingContext, serving
+from berth.engine.serve.generation import Generation, unless_disconnected
+from berth.engine.serve.logprobs import completion_logprobs
+from berth.engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from berth.engine.serve.sampling import check_supported, check_token_ids, resolve_max_tokens, sampling_params
+from berth.engine.serve.streaming import sse_response
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"}}
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_DOC)
+async def create_completion(body: CompletionRequest, request: Request):
+    ctx = serving(request)
+    ctx.check_model(body.model)
+    ctx.check_admitting()
+    check_supported(ctx, body)
+    prompts = [check_token_ids(ctx, ids, "prompt") for ids in _prompt_token_ids(ctx, body.prompt)]
+    params = [
+        sampling_params(
+            body,
+            max_tokens=resolve_max_tokens(
+                ctx, body.max_tokens, len(p), param="max_tokens", prompt_param="prompt"
+            ),
+            logprobs=body.logprobs,
+        )
+        for p in prompts
+    ]
+    generation = Generation(ctx, prompts, params, prompt_param="prompt")
+    reply = CompletionResponse(
+        id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=ctx.model_name, choices=[]
+    )
+    try:
+        if body.stream:
+            await unless_disconnected(request, generation.start())
+            return sse_response(_chunks(body, generation, reply), generation)
+        outputs = await unless_disconnected(request, generation.final_outputs())
+    except BaseException:
+        generation.abort()
+        raise
+    reply.choices = [
+        _choice(body, index, seq) for index, output in enumerate(outputs) for seq in output.outputs
+    ]
+    reply.usage = Usage.of(prompts, outputs)
+    return reply
+
+
+def _prompt_token_ids(ctx: ServingContext, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [ctx.tokenizer(prompt)["input_ids"]]
+    if isinstance(prompt[0], str):
+        return ctx.tokenizer(prompt)["input_ids"]
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return prompt
+
+
+def _choice(body: CompletionRequest, prompt_index: int, seq: CompletionOutput) -> CompletionChoice:
+    return CompletionChoice(
+        index=prompt_index * body.n + seq.index,
+        text=seq.text,
+        logprobs=completion_logprobs(seq, 0, 0) if body.logprobs is not None else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+    )
+
+
+async def _chunks(
+    body: CompletionRequest, generation: Generation, reply: CompletionResponse
+) -> AsyncIterator[CompletionResponse]:
+    latest: dict[int, RequestOutput] = {}
+    text_offsets: dict[int, int] = {}  # choice index -> length of its text streamed so far
+    done: set[int] = set()
+    async for prompt_index, output in generation:
+        latest[prompt_index] = output
+        for seq in output.outputs:
+            index = prompt_index * body.n + seq.index
+            wants_logprobs = body.logprobs is not None and seq.token_ids_diff
+            if index in done or not (seq.text_diff or seq.finished or wants_logprobs):
+                continue
+            logprobs = None
+            if body.logprobs is not None:
+                start = len(seq.token_ids) - len(seq.token_ids_diff)
+                logprobs = completion_logprobs(seq, start, text_offsets.get(index, 0))
+            text_offsets[index] = text_offsets.get(index, 0) + len(seq.text_diff)
+            if seq.finished:
+                done.add(index)
+            choice = CompletionChoice(
+                index=index,
+                text=seq.text_diff,
+                logprobs=logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            yield reply.model_copy(update={"choices": [choice]})
+    if body.stream_options and body.stream_options.include_usage:
+        outputs = [latest[i] for i in sorted(latest)]
+        yield reply.model_copy(update={"usage": Usage.of(generation.prompt_token_ids, outputs)})

@@ -1,0 +1,80 @@
+"""What every route needs: the engine, the model's limits, the metrics, the server's state."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from berth.engine.models.config import ModelConfig
+from berth.engine.serve.errors import APIError, unavailable
+from berth.engine.serve.metrics import ServerMetrics
+
+
+@dataclass
+class ServingContext:
+    llm: object  # berth.engine.LLM (not imported: the type would pull torch into this module)
+    model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    metrics: ServerMetrics
+    api_key: str | None = None
+    admin_token: str | None = None
+    draining: bool = False  # set on SIGTERM: readiness drops, new requests are refused
+    # The engine requests in flight, by the task that reads each to its end (even after its
+    # HTTP request is gone). asyncio holds tasks weakly: they are kept here until done.
+    in_flight: dict[asyncio.Task, object] = field(default_factory=dict)
+
+    @classmethod
+    def for_llm(cls, llm, model_name: str | None = None, **options) -> ServingContext:
+        model_path = str(llm.config.model)
+        model = ModelConfig.from_pretrained(model_path)
+        # The engine's own rule (PyExecutor): the configured limit, never past the model's positions.
+        limit = llm.config.max_model_len or model.max_position_embeddings
+        return cls(
+            llm=llm,
+            model_name=model_name or model_path,
+            model_path=model_path,
+            max_model_len=min(limit, model.max_position_embeddings),
+            vocab_size=model.vocab_size,
+            metrics=ServerMetrics(model_name or model_path),
+            **options,
+        )
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.llm.config.max_batch_size
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(
+                404, f"The model `{requested}` does not exist.", param="model", code="model_not_found"
+            )
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise unavailable("the server is shutting down and admits no new requests", "shutting_down")
+
+    def keep(self, task: asyncio.Task, result) -> None:
+        """Tracks `result` (a GenerationResult) until `task`, which reads it, is done."""
+        self.in_flight[task] = result
+        task.add_done_callback(lambda done: self.in_flight.pop(done, None))
+
+    @property
+    def idle(self) -> bool:
+        return not self.in_flight
+
+    def abort_all(self) -> None:
+        """Aborts every engine request in flight: each ends with finish_reason "abort"."""
+        for result in list(self.in_flight.values()):
+            result.abort()
+
+
+def serving(request: Request) -> ServingContext:
+    return request.app.state.serving

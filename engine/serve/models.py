@@ -1,0 +1,27 @@
+"""`GET /v1/models`: the one model this server serves, under its served name."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from berth.engine.serve.auth import require_api_key
+from berth.engine.serve.context import ServingContext, serving
+from berth.engine.serve.protocol import ModelCard, ModelList
+
+router = APIRouter(prefix="/v1/models", dependencies=[Depends(require_api_key)])
+
+
+def _card(ctx: ServingContext) -> ModelCard:
+    return ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+
+
+@router.get("")
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(serving(request))])
+
+
+@router.get("/{model:path}")
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    ctx = serving(request)
+    ctx.check_model(model)
+    return _card(ctx)

@@ -1,0 +1,92 @@
+"""`/health` must not lie: after `kill -9` of the engine's worker process the server answers
+503 with the engine's error within the executor's detection bound (10 s), and goes on
+answering 503 for as long as it lives; readiness drops, liveness stays, requests get a 503 with
+Retry-After, an in-flight stream ends instead of hanging, and SIGTERM still stops it cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve.server_process import ENGINE_ARGS, ServerProcess
+from tests.support.engine_processes import pid_alive, wait_until
+
+DETECTION_BOUND_S = 10  # the executor's: a dead worker is noticed by an event or a polling backstop
+
+
+def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
+    server = ServerProcess(tiny_model, *ENGINE_ARGS, "--api-key", "sk-kill", api_key="sk-kill")
+    try:
+        assert server.get("/health").json() == {"status": "ok"}
+        assert server.get("/ready").status_code == 200
+        engine_pid = server.engine_pid
+        assert engine_pid != server.pid and pid_alive(engine_pid)
+
+        # A long stream in flight when the engine dies: it must end, not hang.
+        stream_lines: list[str] = []
+        stream_started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": [5] * 8, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            with httpx.stream(
+                "POST", server.url + "/v1/completions", json=body, headers=server.headers(), timeout=30
+            ) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    stream_started.set()
+                    if line:
+                        stream_lines.append(line)
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert stream_started.wait(30)
+
+        os.kill(engine_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        assert wait_until(lambda: server.get("/health").status_code == 503, DETECTION_BOUND_S, interval=0.1)
+        assert time.monotonic() - killed_at < DETECTION_BOUND_S
+        body = server.get("/health").json()
+        assert body["engine_dead"] is True
+        assert "WorkerDiedError" in body["error"] and str(engine_pid) in body["error"], body
+
+        reader.join(DETECTION_BOUND_S)
+        assert not reader.is_alive(), "the in-flight stream hangs after the engine died"
+        assert stream_lines[-1] == "data: [DONE]"
+        events = [json.loads(line[6:]) for line in stream_lines if line.startswith("data: {")]
+        assert "error" in events[-1] and events[-1]["error"]["code"] == "engine_dead"
+
+        time.sleep(3)  # and it stays so
+        for _ in range(3):
+            response = server.get("/health")
+            assert response.status_code == 503 and response.json()["engine_dead"] is True
+        ready = server.get("/ready")
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        assert server.get("/live").status_code == 200
+        assert server.process.poll() is None, "the server exited instead of reporting the dead engine"
+
+        refused = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        assert refused.status_code == 503
+        assert int(refused.headers["Retry-After"]) > 0
+        assert refused.json()["error"]["code"] == "engine_dead"
+        assert (
+            server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}).status_code
+            == 503
+        )
+
+        state = server.admin_state()
+        assert state["engine_dead"] is True and state["admission"] == "failed" and state["error"]
+        families = {f.name: f for f in text_string_to_metric_families(server.get("/metrics").text)}
+        assert families["berth:engine_healthy"].samples[0].value == 0
+        assert server.process.poll() is None
+
+        server.terminate()
+        assert server.wait(15) == 0, server.output  # a dead world never hangs the exit
+    finally:
+        server.stop()

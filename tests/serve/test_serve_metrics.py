@@ -1,0 +1,157 @@
+"""`/metrics` parses as Prometheus text, names its series like vLLM's, labels every one with the
+model, and its counters move by exactly the requests and tokens sent. A client that goes away
+mid-request aborts its engine request: the metrics say "abort" and the engine is idle again."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve.server_process import MODEL_NAME, ServerProcess
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+COUNTERS = (
+    "berth:request_success",
+    "berth:prompt_tokens",
+    "berth:generation_tokens",
+    "berth:num_preemptions",
+)
+HISTOGRAMS = (
+    "berth:time_to_first_token_seconds",
+    "berth:inter_token_latency_seconds",
+    "berth:e2e_request_latency_seconds",
+    "berth:request_queue_time_seconds",
+    "berth:request_prompt_tokens",
+    "berth:request_generation_tokens",
+)
+GAUGES = (
+    "berth:num_requests_running",
+    "berth:num_requests_waiting",
+    "berth:kv_cache_usage_perc",
+    "berth:engine_healthy",
+    "berth:engine_admission_state",
+)
+
+
+def scrape(server: ServerProcess) -> tuple[dict, Samples]:
+    response = server.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
+    }
+    return families, samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted({"model_name": MODEL_NAME, **labels}.items())))
+    return samples.get(key, 0.0)
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def idle_samples(server: ServerProcess) -> Samples:
+    assert server.wait_idle(), server.admin_state()
+    return scrape(server)[1]
+
+
+def test_the_exposition_has_vllms_series_each_labelled_with_the_model(server):
+    families, samples = scrape(server)
+    for name in COUNTERS:
+        assert families[name].type == "counter", name
+    for name in HISTOGRAMS:
+        assert families[name].type == "histogram", name
+    for name in GAUGES:
+        assert families[name].type == "gauge", name
+    assert all(dict(labels)["model_name"] == MODEL_NAME for _, labels in samples)
+    assert not any(name.endswith("_created") for name, _ in samples)
+    assert value(samples, "berth:engine_healthy") == 1
+    assert value(samples, "berth:engine_admission_state", state="running") == 1
+    assert value(samples, "berth:engine_admission_state", state="parked") == 0
+
+
+def test_counters_move_by_exactly_the_requests_and_tokens_sent(server, client):
+    before = idle_samples(server)
+
+    replies = [
+        client.completions.create(
+            model=MODEL_NAME, prompt=[[5] * 5, [6] * 7], n=2, max_tokens=6, extra_body={"ignore_eos": True}
+        ),
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=20, stop=["e", "a"]
+        ),
+    ]
+    streamed_reasons = []
+    streamed_usage = None
+    for chunk in client.completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=1, stream=True, stream_options={"include_usage": True}
+    ):
+        streamed_reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        streamed_usage = chunk.usage or streamed_usage
+    engine_requests = 2 + 1 + 1  # one per prompt: n choices share one engine request
+
+    after = idle_samples(server)
+    reasons = Counter(c.finish_reason for r in replies for c in r.choices) + Counter(streamed_reasons)
+    usages = [r.usage for r in replies] + [streamed_usage]
+    prompt_tokens = sum(u.prompt_tokens for u in usages)
+    generation_tokens = sum(u.completion_tokens for u in usages)
+    assert prompt_tokens == 5 + 7 + replies[1].usage.prompt_tokens + streamed_usage.prompt_tokens
+    assert replies[0].usage.completion_tokens == 4 * 6
+
+    for reason in ("length", "stop", "abort"):
+        assert delta(before, after, "berth:request_success_total", finished_reason=reason) == reasons[reason]
+    assert delta(before, after, "berth:prompt_tokens_total") == prompt_tokens
+    assert delta(before, after, "berth:generation_tokens_total") == generation_tokens
+    for name in HISTOGRAMS:
+        if name != "berth:inter_token_latency_seconds":
+            assert delta(before, after, f"{name}_count") == engine_requests, name
+    assert delta(before, after, "berth:request_prompt_tokens_sum") == prompt_tokens
+    assert delta(before, after, "berth:request_generation_tokens_sum") == generation_tokens
+    # One gap per later engine step that brought a request new tokens: at most a token each.
+    assert 0 < delta(before, after, "berth:inter_token_latency_seconds_count") <= generation_tokens
+    assert value(after, "berth:num_requests_running") == 0
+    assert value(after, "berth:num_requests_waiting") == 0
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(server):
+    before = idle_samples(server)
+    n, max_tokens = 16, 240
+    body = {"prompt": [5] * 8, "n": n, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=server.headers(), timeout=30
+    ) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # and leave: the connection closes here
+
+    after = idle_samples(server)  # within wait_idle's bound: nothing keeps generating for nobody
+    assert delta(before, after, "berth:request_success_total", finished_reason="abort") == n
+    assert delta(before, after, "berth:request_success_total", finished_reason="length") == 0
+    assert delta(before, after, "berth:generation_tokens_total") < n * max_tokens
+
+
+def test_a_client_that_times_out_on_a_whole_answer_aborts_its_request(server):
+    before = idle_samples(server)
+    n, max_tokens = 16, 240
+    body = {"prompt": [5] * 8, "n": n, "max_tokens": max_tokens, "ignore_eos": True}
+
+    try:
+        server.post("/v1/completions", body, timeout=0.2)
+    except httpx.TimeoutException:
+        pass
+    else:
+        raise AssertionError("the request finished before the client gave up: make it longer")
+
+    after = idle_samples(server)
+    assert delta(before, after, "berth:request_success_total", finished_reason="abort") == n
+    assert delta(before, after, "berth:generation_tokens_total") < n * max_tokens
