@@ -317,15 +317,24 @@ class ClusterSim:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[ClusterSim]:
+        stopping = False
+
         async def loop() -> None:
             while True:
-                await self.run_once()
-                await asyncio.sleep(self.interval)
+                try:
+                    await self.run_once()
+                    await asyncio.sleep(self.interval)
+                except asyncio.CancelledError:
+                    # An in-process kopf operator cancels, when it stops, every task born during
+                    # its run: one inside a hook must not end the simulated controllers for good.
+                    if stopping:
+                        raise
 
         task = asyncio.create_task(loop())
         try:
             yield self
         finally:
+            stopping = True
             task.cancel()
             try:
                 # A helper that crashed re-raises here and fails the test.

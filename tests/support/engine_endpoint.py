@@ -91,11 +91,15 @@ class EngineEndpoint:
     async def stop(self) -> None:
         if self.process.returncode is None:
             self.process.terminate()
-            try:
-                await asyncio.wait_for(self.process.wait(), STOP_TIMEOUT)
-            except TimeoutError:
+            # Polled, not `wait_for(process.wait())`: that wraps the wait in a new task, and an
+            # in-process kopf operator cancels every task born during its run when it stops.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + STOP_TIMEOUT
+            while self.process.returncode is None and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if self.process.returncode is None:
                 self.process.kill()
-                await self.process.wait()
+            await self.process.wait()
 
 
 async def start_engine_endpoint(model: Path, env: Mapping[str, str] | None = None) -> EngineEndpoint:
