@@ -24,7 +24,7 @@ DEAD_SHUTDOWN_TIMEOUT = 5.0
 class InProcessExecutor(GenerationExecutor):
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         super().__init__(tokenizer)
-        self.engine = PyExecutor.from_config(config)
+        self.engine = PyExecutor.launch(config)
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="berth-dispatch", daemon=True)
         self._dispatcher.start()

@@ -105,7 +105,7 @@ def _initialize(init: ipc.SignedSocket, rank: int, request_address: str):
     try:  # the import too: a broken torch install is a failed start the proxy must hear about
         from berth.engine.pyexecutor.py_executor import PyExecutor
 
-        engine = PyExecutor.from_config(config)
+        engine = PyExecutor.launch(config)
     except BaseException as error:
         logger.exception("the engine failed to start")
         init.send(InitFailed(portable_error(error), _format(error)))

@@ -9,6 +9,7 @@ one request; any other exception is fatal and ends the loop through `on_fatal`.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ class PyExecutor:
         self._shutting_down = False
         self.num_preemptions = 0
         self._thread: threading.Thread | None = None
+        self._start_on_thread: queue.SimpleQueue | None = None  # set by `launch`
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> PyExecutor:
@@ -100,9 +102,42 @@ class PyExecutor:
         )
         return cls(config, model, kv_cache)
 
+    @classmethod
+    def launch(cls, config: EngineConfig) -> PyExecutor:
+        """`from_config` on a new thread, which then runs the loop once `start()` is called.
+
+        Why: torch's CPU ops keep one OpenMP thread pool per calling thread. A model built on
+        one thread and stepped on another leaves two pools contending for the cores, which
+        made every engine step 2-3x slower on a 2-core machine. So the loop's thread builds
+        the model, and no other thread of the engine runs torch ops.
+        """
+        built: queue.SimpleQueue = queue.SimpleQueue()
+        start: queue.SimpleQueue = queue.SimpleQueue()
+
+        def main() -> None:
+            try:
+                engine = cls.from_config(config)
+            except BaseException as error:
+                built.put(error)
+                return
+            engine._start_on_thread = start
+            built.put(engine)
+            engine.run(*start.get())
+
+        thread = threading.Thread(target=main, name="berth-engine-loop", daemon=True)
+        thread.start()
+        outcome = built.get()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        outcome._thread = thread
+        return outcome
+
     # ---- the loop -----------------------------------------------------------------------------
 
     def start(self, on_responses: ResponseSink, on_fatal: Callable[[BaseException], None]) -> None:
+        if self._start_on_thread is not None:  # launched: its thread waits for these
+            self._start_on_thread.put((on_responses, on_fatal))
+            return
         self._thread = threading.Thread(
             target=self.run, args=(on_responses, on_fatal), name="berth-engine-loop", daemon=True
         )
