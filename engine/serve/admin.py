@@ -32,6 +32,8 @@ async def state(request: Request) -> dict:
         "num_running": stats.num_running if stats is not None else 0,
         "num_waiting": stats.num_waiting if stats is not None else 0,
         "num_pending": executor.num_pending,  # submitted through this server, not finished yet
+        # Engine requests this server still reads (and records in /metrics) to their end.
+        "num_in_flight": len(ctx.in_flight),
         "kv_blocks_used": used,
         "kv_blocks_total": total,
         "kv_cache_usage": used / total if total else 0.0,

@@ -118,11 +118,13 @@ class ServerProcess:
         return response.json()
 
     def wait_idle(self, timeout: float = 10) -> bool:
-        """True once no request is in flight (this server's own count and the engine's)."""
+        """True once no request is in flight (the server's counts, recorded in /metrics, and the
+        engine's)."""
 
         def idle() -> bool:
             state = self.admin_state()
-            return state["num_pending"] == 0 and state["num_running"] == 0 and state["num_waiting"] == 0
+            counts = ("num_pending", "num_in_flight", "num_running", "num_waiting")
+            return all(state[count] == 0 for count in counts)
 
         return wait_until(idle, timeout, interval=0.05)
 
