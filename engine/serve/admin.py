@@ -6,9 +6,10 @@ from fastapi import APIRouter, Depends, Request
 
 from berth.engine.serve.auth import require_admin_token
 from berth.engine.serve.context import serving
+from berth.engine.serve.errors import documented
 from berth.engine.serve.health import admission_of, fatal_error_of
 
-router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin_token)])
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin_token)], responses=documented(401))
 
 
 @router.get("/state")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from berth import __version__
 from berth.engine.serve import admin, chat, completions, health, models
@@ -22,4 +23,22 @@ def build_app(ctx: ServingContext) -> FastAPI:
     install_error_handlers(app)
     for room in (models, completions, chat, health, admin):
         app.include_router(room.router)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI documents a body that fails validation as a 422 `HTTPValidationError`; this
+    server answers it with a 400 in OpenAI's error shape (errors.py), and the document says so,
+    so that clients generated from it handle the real answers."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from berth.engine.serve.auth import require_api_key
 from berth.engine.serve.completions import STREAM_DOC
 from berth.engine.serve.context import ServingContext, serving
-from berth.engine.serve.errors import bad_request
+from berth.engine.serve.errors import bad_request, documented
 from berth.engine.serve.generation import Generation, unless_disconnected
 from berth.engine.serve.logprobs import chat_logprobs
 from berth.engine.serve.protocol import (
@@ -26,7 +26,7 @@ from berth.engine.serve.protocol import (
 from berth.engine.serve.sampling import check_supported, check_token_ids, resolve_max_tokens, sampling_params
 from berth.engine.serve.streaming import sse_response
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], responses=documented(400, 401, 404, 503))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_DOC)

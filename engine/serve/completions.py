@@ -11,13 +11,14 @@ from fastapi import APIRouter, Depends, Request
 from berth.engine.outputs import CompletionOutput, RequestOutput
 from berth.engine.serve.auth import require_api_key
 from berth.engine.serve.context import ServingContext, serving
+from berth.engine.serve.errors import documented
 from berth.engine.serve.generation import Generation, unless_disconnected
 from berth.engine.serve.logprobs import completion_logprobs
 from berth.engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from berth.engine.serve.sampling import check_supported, check_token_ids, resolve_max_tokens, sampling_params
 from berth.engine.serve.streaming import sse_response
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], responses=documented(400, 401, 404, 503))
 
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"}}
 

@@ -20,6 +20,17 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = 5
 
 
+def documented(*statuses: int) -> dict[int | str, dict]:
+    """The OpenAPI `responses` of a route that can answer with these error statuses."""
+    meaning = {
+        400: "An invalid parameter (named in `param`), or a prompt too long for the model",
+        401: "A missing or wrong bearer token",
+        404: "An unknown model",
+        503: "The engine does not admit requests now (shutting down, or dead); see Retry-After",
+    }
+    return {status: {"model": ErrorResponse, "description": meaning[status]} for status in statuses}
+
+
 class APIError(Exception):
     def __init__(
         self,

@@ -28,7 +28,9 @@ def fatal_error_of(executor) -> str:
     return f"{type(error).__name__}: {error}" if error is not None else "the engine is dead"
 
 
-@router.get("/health")
+@router.get(
+    "/health", responses={503: {"description": 'The engine is dead: {"engine_dead": true, "error": "..."}'}}
+)
 async def health(request: Request) -> JSONResponse:
     llm = serving(request).llm
     if llm.check_health():
@@ -36,7 +38,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"engine_dead": True, "error": fatal_error_of(llm.executor)}, status_code=503)
 
 
-@router.get("/ready")
+@router.get("/ready", responses={503: {"description": "Not healthy, not admitting, or shutting down"}})
 async def ready(request: Request) -> JSONResponse:
     """The readiness probe: healthy *and* admitting (a sleeping engine leaves the Service)."""
     ctx = serving(request)

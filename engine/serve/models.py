@@ -6,9 +6,10 @@ from fastapi import APIRouter, Depends, Request
 
 from berth.engine.serve.auth import require_api_key
 from berth.engine.serve.context import ServingContext, serving
+from berth.engine.serve.errors import documented
 from berth.engine.serve.protocol import ModelCard, ModelList
 
-router = APIRouter(prefix="/v1/models", dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1/models", dependencies=[Depends(require_api_key)], responses=documented(401))
 
 
 def _card(ctx: ServingContext) -> ModelCard:
@@ -20,7 +21,7 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_card(serving(request))])
 
 
-@router.get("/{model:path}")
+@router.get("/{model:path}", responses=documented(404))
 async def retrieve_model(model: str, request: Request) -> ModelCard:
     ctx = serving(request)
     ctx.check_model(model)
