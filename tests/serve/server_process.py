@@ -52,6 +52,7 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             text=True,
             env=child_env,
+            start_new_session=True,  # its own process group, as in a terminal (see `interrupt`)
         )
         self._lines: list[str] = []
         self._new_lines: queue.Queue[str | None] = queue.Queue()
@@ -132,6 +133,10 @@ class ServerProcess:
 
     def terminate(self) -> None:
         self.process.send_signal(signal.SIGTERM)
+
+    def interrupt(self) -> None:
+        """Ctrl-C in a terminal: SIGINT to the whole process group, the engine worker included."""
+        os.killpg(self.process.pid, signal.SIGINT)
 
     def wait(self, timeout: float) -> int:
         return self.process.wait(timeout)

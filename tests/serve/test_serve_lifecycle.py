@@ -1,4 +1,4 @@
-"""SIGTERM: the server stops admitting (new requests get 503 + Retry-After, /ready 503) but keeps
+"""SIGTERM (or Ctrl-C): the server stops admitting (new requests get 503 + Retry-After, /ready 503) but keeps
 answering while the requests in flight finish, aborts what the grace period cannot finish, and
 exits 0 — never hangs."""
 
@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.serve.server_process import ENGINE_ARGS, ServerProcess
 from tests.support.engine_processes import pid_alive, wait_until
@@ -50,7 +51,9 @@ class Stream:
         }
 
 
-def test_sigterm_drains_the_request_in_flight_then_exits_0(tiny_model):
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_a_stop_signal_drains_the_request_in_flight_then_exits_0(tiny_model, stop):
+    """Ctrl-C reaches the engine worker too: it must leave the drain to the server."""
     server = ServerProcess(tiny_model, *ENGINE_ARGS)
     try:
         n, max_tokens = 8, 1000  # seconds of work on this model: in flight while the probes run
@@ -58,7 +61,7 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(tiny_model):
         stream = Stream(server, {**body, "stream_options": {"include_usage": True}})
         assert stream.started.wait(30) and stream.status == 200
 
-        server.terminate()
+        server.terminate() if stop == "sigterm" else server.interrupt()
 
         # Draining: still listening, no longer admitting.
         ready = server.get("/ready")
