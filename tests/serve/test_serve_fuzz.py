@@ -43,6 +43,9 @@ def test_every_operation_of_the_document_is_fuzzed(openapi):
     assert documented == set(OPERATIONS)
 
 
+# Generous bounds: a valid case may ask for many long choices, and a loaded CI machine runs the
+# engine several times slower than a quiet one.
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("method", "path", "mode", "examples"), CASES, ids=[f"{m} {p} {g.value}" for m, p, g, _ in CASES]
 )
@@ -61,7 +64,7 @@ def test_no_generated_request_gets_a_server_error(openapi, server, method, path,
         database=None,
     )
     def check(case) -> None:
-        response = case.call(headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        response = case.call(headers={"Authorization": f"Bearer {token}"}, timeout=120)
         assert response.status_code < 500, (case.body, case.path_parameters, response.text[:500])
         assert response.status_code in statuses, (response.status_code, case.body, response.text[:500])
         if response.status_code >= 400:
