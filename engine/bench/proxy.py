@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from berth.engine.bench.workload import WorkItem, add_workload_arguments, make_workload
+from berth.engine.bench.workload import WorkItem, add_workload_arguments, describe_workload, make_workload
 
 SHAPES = ("in-process", "proxy")
 
@@ -84,13 +84,7 @@ def _better(old: Measurement | None, new: Measurement) -> Measurement:
 
 
 def _describe(args: argparse.Namespace, workload: list[WorkItem], threads: int) -> None:
-    total_in = sum(len(item.prompt_token_ids) for item in workload)
-    total_out = sum(item.output_len for item in workload)
-    print(
-        f"workload: {len(workload)} requests, {total_in} prompt tokens, {total_out} output tokens "
-        f"(prompt {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
-        f"seed {args.seed}); batch size {args.batch_size}; torch threads {threads}"
-    )
+    print(f"{describe_workload(args, workload)}; batch size {args.batch_size}; torch threads {threads}")
 
 
 def _measure(llm, workload: list[WorkItem], sampling_params) -> Measurement:

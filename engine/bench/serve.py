@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from berth.engine.bench.workload import WorkItem, add_workload_arguments, make_workload
+from berth.engine.bench.workload import WorkItem, add_workload_arguments, describe_workload, make_workload
 
 LISTENING = "berth serve: listening on "
 
@@ -82,12 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = load_tokenizer(args.model)
     workload = make_workload(args, len(tokenizer), set(tokenizer.all_special_ids))
-    total_in = sum(len(item.prompt_token_ids) for item in workload)
-    total_out = sum(item.output_len for item in workload)
     print(
-        f"workload: {len(workload)} requests, {total_in} prompt tokens, {total_out} output tokens "
-        f"(prompt {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
-        f"seed {args.seed}); max concurrency {args.max_concurrency or 'unlimited'}, "
+        f"{describe_workload(args, workload)}; max concurrency {args.max_concurrency or 'unlimited'}, "
         f"request rate {args.request_rate}",
         flush=True,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from berth.engine.bench.workload import WorkItem, add_workload_arguments, make_workload
+from berth.engine.bench.workload import WorkItem, add_workload_arguments, describe_workload, make_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,12 +37,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = llm.tokenizer
     workload = make_workload(args, len(tokenizer), set(tokenizer.all_special_ids))
     total_out = sum(item.output_len for item in workload)
-    total_in = sum(len(item.prompt_token_ids) for item in workload)
-    print(
-        f"workload: {len(workload)} requests, {total_in} prompt tokens, {total_out} output tokens "
-        f"(prompt {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
-        f"seed {args.seed}); batch size {args.batch_size}; torch threads {torch.get_num_threads()}"
-    )
+    threads = torch.get_num_threads()
+    print(f"{describe_workload(args, workload)}; batch size {args.batch_size}; torch threads {threads}")
     berth_seconds = run_berth(llm, workload, SamplingParams)
     llm.shutdown()
     print(f"berth:        {berth_seconds:8.2f} s  {total_out / berth_seconds:10.1f} output tok/s")

@@ -45,3 +45,14 @@ def make_workload(args: argparse.Namespace, vocab_size: int, reserved_ids: set[i
             WorkItem([rng.choice(ordinary) for _ in range(prompt_len)], rng.randint(*args.output_len))
         )
     return items
+
+
+def describe_workload(args: argparse.Namespace, workload: list[WorkItem]) -> str:
+    """One line for a benchmark's report: the workload's size and the distributions it came from."""
+    total_in = sum(len(item.prompt_token_ids) for item in workload)
+    total_out = sum(item.output_len for item in workload)
+    return (
+        f"workload: {len(workload)} requests, {total_in} prompt tokens, {total_out} output tokens "
+        f"(prompt {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
+        f"seed {args.seed})"
+    )

@@ -23,7 +23,7 @@ from berth.engine.serve.protocol import (
     ChatStreamChoice,
     Usage,
 )
-from berth.engine.serve.sampling import check_supported, check_token_ids, resolve_max_tokens, sampling_params
+from berth.engine.serve.sampling import admit, check_token_ids, resolve_max_tokens, sampling_params
 from berth.engine.serve.streaming import sse_response
 
 router = APIRouter(dependencies=[Depends(require_api_key)], responses=documented(400, 401, 404, 503))
@@ -32,9 +32,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)], responses=documented
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_DOC)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     ctx = serving(request)
-    ctx.check_model(body.model)
-    ctx.check_admitting()
-    check_supported(ctx, body)
+    admit(ctx, body)
     prompt = check_token_ids(ctx, _render(ctx, body), "messages")
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(

@@ -15,7 +15,7 @@ from berth.engine.serve.errors import documented
 from berth.engine.serve.generation import Generation, unless_disconnected
 from berth.engine.serve.logprobs import completion_logprobs
 from berth.engine.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from berth.engine.serve.sampling import check_supported, check_token_ids, resolve_max_tokens, sampling_params
+from berth.engine.serve.sampling import admit, check_token_ids, resolve_max_tokens, sampling_params
 from berth.engine.serve.streaming import sse_response
 
 router = APIRouter(dependencies=[Depends(require_api_key)], responses=documented(400, 401, 404, 503))
@@ -26,9 +26,7 @@ STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=STREAM_DOC)
 async def create_completion(body: CompletionRequest, request: Request):
     ctx = serving(request)
-    ctx.check_model(body.model)
-    ctx.check_admitting()
-    check_supported(ctx, body)
+    admit(ctx, body)
     prompts = [check_token_ids(ctx, ids, "prompt") for ids in _prompt_token_ids(ctx, body.prompt)]
     params = [
         sampling_params(

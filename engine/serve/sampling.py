@@ -16,6 +16,13 @@ from berth.engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 GREEDY_TEMPERATURE = 1e-5
 
 
+def admit(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """The checks every generation request passes before its prompt is even looked at."""
+    ctx.check_model(body.model)
+    ctx.check_admitting()
+    check_supported(ctx, body)
+
+
 def check_supported(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuses the OpenAI parameters berth accepts in the schema but does not implement, and
     those the engine's configuration cannot serve."""
