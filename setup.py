@@ -17,5 +17,9 @@ for name, folder in ROOMS.items():
 setup(
     packages=packages,
     package_dir=ROOMS,
-    package_data={"berth.operator": ["*.yaml"], "berth.engine": ["models/*.txt"]},
+    package_data={
+        "berth.operator": ["*.yaml"],
+        "berth.engine": ["models/*.txt"],
+        "berth.kernels": ["cpu/*.c", "cpu/*.h"],
+    },
 )

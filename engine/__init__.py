@@ -12,7 +12,7 @@ _EXPORTS = {
     "CompletionOutput": "berth.engine.outputs",
     "EngineConfig": "berth.engine.config",
     "EngineDeadError": "berth.engine.executor.errors",
-    "RequestError": "berth.engine.executor.errors",
+    "RequestError": "berth.engine.engine_io",
 }
 
 __all__ = sorted(_EXPORTS)

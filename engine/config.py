@@ -2,18 +2,47 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# The operator sets this in every pod that runs the engine: the fraction of what the pod's
+# memory limit leaves that the KV pool may take (the rest stays for what the operator reserves).
+KV_CACHE_MEMORY_FRACTION_ENV = "BERTH_KV_CACHE_MEMORY_FRACTION"
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.9
+
+
+def _fraction_from_env() -> float:
+    text = os.environ.get(KV_CACHE_MEMORY_FRACTION_ENV, "").strip()
+    if not text:
+        return DEFAULT_KV_CACHE_MEMORY_FRACTION
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{KV_CACHE_MEMORY_FRACTION_ENV} must be a number in (0, 1], got {text!r}") from None
 
 
 @dataclass
 class EngineConfig:
     """Everything the engine needs besides the requests.
 
-    KV cache size: `kv_cache_blocks` when given, else `kv_cache_memory_fraction` of the free
-    device memory (of available RAM on CPU), never more than `max_batch_size` sequences of
-    `max_model_len` tokens can use.
+    KV cache size (`berth.engine.pyexecutor.memory_budget`): `kv_cache_blocks` or
+    `kv_cache_memory` (bytes) when given, else `kv_cache_memory_fraction` (default:
+    $BERTH_KV_CACHE_MEMORY_FRACTION, or 0.9) of what the tightest memory limit (the process's
+    memory cgroup, the host's available memory, the CUDA device's free memory) leaves once the
+    weights are loaded and the largest step's activations (profiled at start) and a headroom
+    are set aside; never more than `max_batch_size` sequences of `max_model_len` tokens can
+    use, and never less than one of them (the engine refuses to start instead). An override
+    the limits cannot hold is refused at start too. `kv_cache_dtype` "auto" stores keys and
+    values in the model's dtype; "bfloat16" halves a float32 model's pool per token.
+
+    Prefix caching (on by default, as in vLLM): full KV blocks are kept after their sequence
+    ends and reused by later requests that start with the same tokens (and `cache_salt`).
+
+    Tensor parallelism: `tensor_parallel_size` ranks each hold a shard of the model (an MPI
+    world; `models/parallel.py` says which shard). With GPUs, each rank uses the GPU of its
+    local rank on its host, so `device` is "cuda" (or None), never one GPU for all.
     """
 
     model: str
@@ -23,29 +52,51 @@ class EngineConfig:
     max_num_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     kv_block_size: int = 16
     kv_cache_blocks: int | None = None
-    kv_cache_memory_fraction: float = 0.9
+    kv_cache_memory: int | None = None  # bytes
+    kv_cache_memory_fraction: float = field(default_factory=_fraction_from_env)
+    kv_cache_dtype: str = "auto"
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_num_tokens", "kv_block_size"):
+        for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "kv_cache_blocks"):
+        for name in ("max_model_len", "kv_cache_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if not 0 < self.kv_cache_memory_fraction <= 1:
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give kv_cache_blocks or kv_cache_memory, not both")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        fraction = self.kv_cache_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}"
+            )
+        if self.tensor_parallel_size > 1 and self.device is not None and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device {self.device!r} with tensor_parallel_size {self.tensor_parallel_size}: every rank "
+                "uses the GPU of its local rank; say device='cuda'"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
+
+    def max_model_len_for(self, max_position_embeddings: int) -> int:
+        """The longest sequence the engine serves: the configured limit, never past the model's
+        positions (its RoPE table). The one place this rule is written."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
 
     def resolved_device(self) -> str:
         if self.device is not None:

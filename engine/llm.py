@@ -9,10 +9,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from berth.engine.config import EngineConfig
+from berth.engine.engine_io import DEFAULT_DRAIN_TIMEOUT, TransitionError, TransitionResult
 from berth.engine.executor import GenerationRequest, GenerationResult, create_executor
 from berth.engine.outputs import RequestOutput
 from berth.engine.sampling_params import SamplingParams
-from berth.engine.tokenizer import load_tokenizer
+from berth.engine.tokenizer import load_tokenizer, tokenizer_files
 
 Prompt = str | Sequence[int]
 
@@ -23,8 +24,11 @@ class LLM:
         llm = LLM("path/to/model", max_batch_size=32)
         outputs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0, max_tokens=32))
 
-    Engine options (`max_batch_size`, `max_num_tokens`, `kv_cache_blocks`, `dtype`, ...) are the
-    fields of `EngineConfig`. `executor` picks where the engine runs (see `create_executor`).
+    Engine options (`max_batch_size`, `max_num_tokens`, `kv_cache_blocks`, `dtype`,
+    `tensor_parallel_size`, ...) are the fields of `EngineConfig`. `executor` picks where the
+    engine runs, and `world` where a tensor-parallel engine's ranks run (an
+    `executor.world.MpiWorld`; default: this machine) (see `create_executor`);
+    `num_postprocess_workers` N > 0 detokenizes in N processes of their own (proxy only).
     """
 
     def __init__(
@@ -33,14 +37,30 @@ class LLM:
         *,
         tokenizer: str | Path | None = None,
         executor: str = "proxy",
+        world=None,
+        num_postprocess_workers: int = 0,
         **engine_options,
     ) -> None:
         if not (Path(model) / "config.json").is_file():
             # Checked here, before the tokenizer loader mistakes a typo for a hub model id.
             raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
         self.config = EngineConfig(model=str(model), **engine_options)
+        self._tokenizer_follows_model = tokenizer is None  # a weight swap brings its own tokenizer
         self.tokenizer = load_tokenizer(tokenizer or model)
-        self._executor = create_executor(self.config, self.tokenizer, mode=executor)
+        self._executor = create_executor(
+            self.config,
+            self.tokenizer,
+            mode=executor,
+            world=world,
+            num_postprocess_workers=num_postprocess_workers,
+        )
+
+    @classmethod
+    def attach(cls, address: str, *, key: bytes | None = None) -> AttachedLLM:
+        """The engine another process owns (`berth serve MODEL --attach-port PORT`), through its
+        attach endpoint at `tcp://HOST:PORT`, signed with `key` (default: BERTH_ENGINE_KEY).
+        See `AttachedLLM`."""
+        return AttachedLLM(address, key=key)
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -50,6 +70,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: float | Sequence[float] = 0.5,
+        cache_salt: str | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates for every prompt (all submitted at once, batched continuously) and returns
@@ -58,7 +79,8 @@ class LLM:
         params_list = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         priorities = _per_prompt(priority, len(prompt_list), "priority")
         results = [
-            self.generate_async(p, sp, priority=pr) for p, sp, pr in zip(prompt_list, params_list, priorities)
+            self.generate_async(p, sp, priority=pr, cache_salt=cache_salt)
+            for p, sp, pr in zip(prompt_list, params_list, priorities)
         ]
         outputs = []
         started = time.perf_counter()
@@ -81,20 +103,95 @@ class LLM:
         *,
         streaming: bool = False,
         priority: float = 0.5,
+        cache_salt: str | None = None,
     ) -> GenerationResult:
         """Submits one prompt; returns at once. Await the result, call `.result()`, or iterate
-        it (`for` / `async for`) for streamed updates; `.abort()` stops it."""
+        it (`for` / `async for`) for streamed updates; `.abort()` stops it.
+
+        `cache_salt` (a tenant's secret, say) keeps this request's prefix-cache reuse among
+        requests with the same salt."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer(prompt)["input_ids"] if text is not None else prompt
         request = GenerationRequest(
-            token_ids, sampling_params or SamplingParams(), streaming=streaming, priority=priority
+            token_ids,
+            sampling_params or SamplingParams(),
+            streaming=streaming,
+            priority=priority,
+            cache_salt=cache_salt,
         )
         return self._executor.submit(request, prompt=text)
+
+    # ---- sleep and wakeup ---------------------------------------------------------------------
+
+    def sleep(
+        self, level: int = 1, mode: str = "drain", timeout: float = DEFAULT_DRAIN_TIMEOUT
+    ) -> TransitionResult:
+        """Stops admission and releases the engine's memory; returns once it is parked.
+
+        `mode="drain"` lets the requests in flight finish for up to `timeout` seconds (the rest
+        then end with finish_reason "abort"); `mode="abort"` aborts them at once. Level 1 frees
+        the KV cache and moves the weights to host memory (on a CPU it frees the KV cache only:
+        host memory is where the weights live); level 2 drops the weights too. New requests are
+        refused until `wake_up()`. Raises TransitionError (code "conflict") unless the engine is
+        running."""
+        return self._executor.sleep(level, mode, timeout)
+
+    def wake_up(self, model: str | Path | None = None) -> TransitionResult:
+        """Restores the memory a sleep released and admits requests again.
+
+        `model`: another revision of the model (same architecture and shapes), loaded into the
+        same processes; one that does not fit raises TransitionError (code "invalid_model") and
+        the engine stays asleep, able to wake up with the weights it had."""
+        if model is None:
+            return self._executor.wake_up(None)
+        model = str(model)
+        tokenizer = None
+        if self._tokenizer_follows_model:
+            if not (Path(model) / "config.json").is_file():
+                raise TransitionError(
+                    f"cannot wake up with {model}: it is not a model directory (no config.json)",
+                    "invalid_model",
+                    self.admission_state,
+                )
+            try:  # before anything changes: a revision whose tokenizer cannot load is refused whole
+                tokenizer = load_tokenizer(model)
+            except Exception as error:
+                raise TransitionError(
+                    f"cannot wake up with {model}: its tokenizer does not load ({error})",
+                    "invalid_model",
+                    self.admission_state,
+                ) from error
+            if getattr(self._executor, "num_postprocess_workers", 0) and tokenizer_files(
+                tokenizer
+            ) != tokenizer_files(self.tokenizer):
+                raise TransitionError(
+                    f"cannot wake up with {model}: its tokenizer is not the one the postprocess "
+                    "workers detokenize with; restart the server to serve it",
+                    "invalid_model",
+                    self.admission_state,
+                )
+        result = self._executor.wake_up(model)
+        self.config.model = model
+        if tokenizer is not None:
+            self.tokenizer = self._executor.tokenizer = tokenizer
+        return result
+
+    @property
+    def admission_state(self) -> str:
+        """ "running", "parking", "parked", "waking"; "failed" once the engine is dead, "shutdown"
+        once shutdown has started."""
+        return self._executor.admission_state
 
     # ---- the engine's state -------------------------------------------------------------------
 
     def check_health(self) -> bool:
+        """True while the engine lives; False once it died or shutdown started."""
         return self._executor.check_health()
+
+    @property
+    def limits(self):
+        """What the engine serves (`EngineLimits`: max_model_len, vocab size, batch, KV pool)."""
+        return self._executor.limits
 
     @property
     def executor(self):
@@ -124,3 +221,52 @@ def _per_prompt(value, count: int, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
         return list(value)
     return [value] * count
+
+
+class AttachedLLM(LLM):
+    """An engine this process serves but does not own: its requests' ids carry this frontend's
+    id, their results come back to it alone, and `shutdown()` only detaches (the owner aborts
+    the requests it left running). It outlives the engine's worlds: while the engine is dead or
+    unreachable every call fails with `EngineUnreachableError` (an `EngineDeadError`) and it
+    attaches again by itself once an owner answers at `address`. Model, tokenizer and limits
+    are the owner's, as it said when this frontend attached."""
+
+    def __init__(self, address: str, *, key: bytes | None = None) -> None:
+        from berth.engine.executor import ipc
+        from berth.engine.executor.frontend import FrontendExecutor
+
+        self._executor = FrontendExecutor(address, key if key is not None else ipc.key_from_env())
+
+    def wait_attached(self, timeout: float | None = None) -> bool:
+        return self._executor.wait_attached(timeout)
+
+    @property
+    def tokenizer(self):
+        return self._executor.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._executor.config
+
+    @property
+    def served_model_name(self) -> str | None:
+        info = self._executor.info
+        return info.model_name if info is not None else None
+
+    # A frontend never owns the engine's life: its sleep and wakeup are the owner's (the
+    # operator drives them there), and every frontend follows the owner's admission state.
+
+    def sleep(self, level: int = 1, mode: str = "drain", timeout: float = DEFAULT_DRAIN_TIMEOUT):
+        raise self._not_the_owner("sleep")
+
+    def wake_up(self, model: str | Path | None = None):
+        raise self._not_the_owner("wake up")
+
+    def _not_the_owner(self, doing: str) -> TransitionError:
+        return TransitionError(
+            f"this server is a frontend attached to the engine at {self._executor.address}: it cannot "
+            f"{doing} the engine, whose owner (`berth serve MODEL --attach-port`, or `berth launch`) "
+            "does that; ask the owner's /admin (every frontend follows its admission state)",
+            "not_engine_owner",
+            self.admission_state,
+        )

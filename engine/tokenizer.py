@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
@@ -12,6 +13,22 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files `save_pretrained` writes for `tokenizer`: another process rebuilds the very same
+    tokenizer from them (vocabulary, special tokens, chat template) without the model's folder."""
+    with tempfile.TemporaryDirectory(prefix="berth-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
+
+
+def write_tokenizer_files(files: dict[str, bytes], folder: Path):
+    """Writes what `tokenizer_files` gave into `folder` and loads the tokenizer from it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (folder / Path(name).name).write_bytes(content)  # a bare name: nothing outside `folder`
+    return load_tokenizer(folder)
 
 
 class IncrementalDetokenizer:

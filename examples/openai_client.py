@@ -1,6 +1,7 @@
 """One chat completion from `berth serve`, with the official `openai` client.
 
-    berth serve .cache/tiny-model --port 8000 &
+    berth fetch-model smollm2 .cache/smollm2   # once
+    berth serve .cache/smollm2 --port 8000 &
     python examples/openai_client.py --base-url http://127.0.0.1:8000/v1
 
 The model is whatever the server serves (the first of `GET /v1/models`). A server started with

@@ -1,9 +1,11 @@
 """The engine's hot operations behind one interface.
 
 Model code calls these functions and never knows which implementation runs: Triton kernels
-for CUDA tensors, the torch reference for everything else. `set_backend("torch" | "triton")`
-(or `BERTH_KERNEL_BACKEND`) overrides the choice, e.g. to run the Triton kernels on CPU
-tensors under `TRITON_INTERPRET=1` in tests.
+for CUDA tensors, the CPU backend (`cpu_ops`: oneDNN GEMMs on packed weights, a C paged
+attention kernel) for CPU tensors, and the torch reference, which defines what is correct.
+`set_backend("torch" | "triton" | "cpu")` (or `BERTH_KERNEL_BACKEND`) overrides the choice,
+e.g. to run the Triton kernels on CPU tensors under `TRITON_INTERPRET=1` in tests, or the
+plain torch reference as the oracle.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from berth.kernels.rope import rope_cos_sin_cache
 __all__ = [
     "AttentionMetadata",
     "get_backend",
+    "linear",
+    "pack_linear_weight",
     "paged_attention",
     "rms_norm",
     "rope_cos_sin_cache",
@@ -32,7 +36,7 @@ __all__ = [
     "write_kv_cache",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def _checked(name: str, source: str) -> str:
@@ -68,12 +72,32 @@ def use_backend(name: str) -> Iterator[None]:
 def _implementation(tensor: torch.Tensor) -> ModuleType:
     name = _backend
     if name == "auto":
-        name = "triton" if tensor.is_cuda else "torch"
+        name = "triton" if tensor.is_cuda else "cpu" if tensor.device.type == "cpu" else "torch"
     if name == "torch":
         return reference
+    if name == "cpu":
+        from berth.kernels import cpu_ops
+
+        return cpu_ops
     from berth.kernels import triton_ops  # imported lazily: triton is an optional dependency
 
     return triton_ops
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A copy of a linear layer's weight [out, in] laid out for the backend's GEMM (done once,
+    after loading), or None where the backend uses the weight as it is."""
+    return _implementation(weight).pack_linear_weight(weight)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ weight.T + bias; `packed` is what `pack_linear_weight(weight)` returned."""
+    return _implementation(x).linear(x, weight, bias, packed)
 
 
 def rms_norm(
@@ -102,7 +126,10 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatters key/value [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at `slot_mapping`."""
+    """Scatters key/value [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at `slot_mapping`.
+    A cache of another dtype (a bfloat16 KV cache under a float32 model) stores them rounded."""
+    if key_cache.dtype != key.dtype:
+        key, value = key.to(key_cache.dtype), value.to(key_cache.dtype)
     _implementation(key).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -113,5 +140,13 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of the new tokens (query [T, Hq, D]) over their sequences' paged cache."""
+    """Causal attention of the new tokens (query [T, Hq, D]) over their sequences' paged cache.
+    Over a cache of another dtype the query attends in the cache's dtype (every kernel reads
+    one dtype; the cached keys hold no more precision than that anyway) and the output comes
+    back in the query's."""
+    if key_cache.dtype != query.dtype:
+        attended = _implementation(query).paged_attention(
+            query.to(key_cache.dtype), key_cache, value_cache, metadata, scale
+        )
+        return attended.to(query.dtype)
     return _implementation(query).paged_attention(query, key_cache, value_cache, metadata, scale)

@@ -139,3 +139,14 @@ def _attend_prefills(query, key_cache, value_cache, md, scale, out) -> None:
         enable_gqa=True,
     )
     out[token_index[valid]] = attended.transpose(1, 2)[valid]
+
+
+def pack_linear_weight(weight: torch.Tensor) -> None:
+    """The weight is used as it is."""
+    return None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from berth.kernels.metadata import AttentionMetadata
+from berth.kernels.reference import linear, pack_linear_weight  # torch's GEMM serves CUDA as it is
 from berth.kernels.triton_kernels.activation import silu_and_mul
 from berth.kernels.triton_kernels.attention_decode import decode_attention
 from berth.kernels.triton_kernels.attention_prefill import prefill_attention
@@ -16,7 +17,15 @@ from berth.kernels.triton_kernels.kv_cache import write_kv_cache
 from berth.kernels.triton_kernels.rms_norm import rms_norm
 from berth.kernels.triton_kernels.rope import rotary_embedding
 
-__all__ = ["paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"]
+__all__ = [
+    "linear",
+    "pack_linear_weight",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv_cache",
+]
 
 
 def paged_attention(

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from berth.operator.restarts import format_time
+from berth.operator.schedule import SleepIntent
 
 CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "Sleeping")
 PARKED_STATES = ("parking", "parked")
@@ -29,16 +30,35 @@ def _describe(worlds: Sequence[Mapping[str, Any]], phases: Sequence[str]) -> str
     )
 
 
+def _degraded(failed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    if failed:
+        return _condition("Degraded", True, "RestartBudgetExhausted", _describe(failed, ["Failed"]))
+    return _condition("Degraded", False, "RestartBudgetAvailable", "no world has used up its restarts")
+
+
 def summarise(
-    worlds: Sequence[Mapping[str, Any]], desired: int, invalid_spec: str | None = None
+    worlds: Sequence[Mapping[str, Any]],
+    desired: int,
+    invalid_spec: str | None = None,
+    sleep: SleepIntent | None = None,
+    retiring: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[list[dict[str, Any]], str]:
-    """(conditions without timestamps, phase) for the given world statuses."""
+    """(conditions without timestamps, phase) for the given world statuses.
+
+    `sleep`: whether the worlds are meant to sleep (schedule.py); a world asleep on purpose is
+    settled, one asleep against the intent is being woken. `retiring`: worlds beyond
+    `replicas` that drain before they are removed (scale-down)."""
     if invalid_spec is not None:
         return [
             _condition("Ready", False, "InvalidSpec", "the spec cannot be deployed; see Degraded"),
             _condition("Available", False, "InvalidSpec", "no world is built from an invalid spec"),
             _condition("Progressing", False, "InvalidSpec", "waiting for a corrected spec"),
-            _condition("Degraded", True, "InvalidSpec", f"fix the LLMDeployment's spec: {invalid_spec}"),
+            _condition(
+                "Degraded",
+                True,
+                "InvalidSpec",
+                f"the LLMDeployment can never be deployed as it is; fix it: {invalid_spec}",
+            ),
             _condition("Sleeping", False, "InvalidSpec", "no world runs"),
         ], "Degraded"
 
@@ -58,6 +78,10 @@ def summarise(
         ]
         return conditions, "Ready"
 
+    failing = any(world.get("phase") in ("Restarting", "BackingOff") for world in starting)
+    if sleep is not None and sleep.asleep:
+        return _asleep(worlds, desired, sleep, failed, failing)
+
     all_ready = len(ready) == desired and len(worlds) >= desired
     conditions = [
         _condition("Ready", all_ready, "AllWorldsReady" if all_ready else "WorldsNotReady", counts),
@@ -71,25 +95,27 @@ def summarise(
         ),
     ]
     if starting:
-        restarting = any(world.get("phase") in ("Restarting", "BackingOff") for world in starting)
+        waking = any(world.get("phase") in ("Sleeping", "Waking") for world in starting)
         conditions.append(
             _condition(
                 "Progressing",
                 True,
-                "WorldRestarting" if restarting else "WorldsStarting",
+                "WorldRestarting" if failing else "WorldsWaking" if waking else "WorldsStarting",
                 _describe(starting, [world.get("phase") for world in starting]),
+            )
+        )
+    elif retiring:
+        conditions.append(
+            _condition(
+                "Progressing",
+                True,
+                "WorldsRetiring",
+                _describe(retiring, ["Retiring"]) or f"{len(retiring)} world(s) draining before removal",
             )
         )
     else:
         conditions.append(_condition("Progressing", False, "WorldsSettled", counts))
-    if failed:
-        conditions.append(
-            _condition("Degraded", True, "RestartBudgetExhausted", _describe(failed, ["Failed"]))
-        )
-    else:
-        conditions.append(
-            _condition("Degraded", False, "RestartBudgetAvailable", "no world has used up its restarts")
-        )
+    conditions.append(_degraded(failed))
     sleeping = len(parked) == desired
     conditions.append(
         _condition(
@@ -111,6 +137,49 @@ def summarise(
         phase = "Progressing"
     else:
         phase = "Pending"
+    return conditions, phase
+
+
+def _asleep(
+    worlds: Sequence[Mapping[str, Any]],
+    desired: int,
+    sleep: SleepIntent,
+    failed: Sequence[Mapping[str, Any]],
+    failing: bool,
+) -> tuple[list[dict[str, Any]], str]:
+    """The worlds are meant to sleep (spec.sleep or a schedule): parked is where they belong."""
+    parked = [world for world in worlds if world.get("admission") == "parked"]
+    on_the_way = [
+        world for world in worlds if world.get("admission") != "parked" and world.get("phase") != "Failed"
+    ]
+    asleep = len(parked) == desired and len(worlds) >= desired
+    why = f"asleep at level {sleep.level} by {sleep.source}"
+    counts = f"{len(parked)}/{desired} engines parked"
+    conditions = [
+        _condition("Ready", False, "Sleeping", f"{why}: {counts}; no world admits requests"),
+        _condition("Available", False, "Sleeping", f"{why}: the endpoint has no ready backend"),
+    ]
+    if on_the_way:
+        conditions.append(
+            _condition(
+                "Progressing",
+                True,
+                "WorldRestarting" if failing else "WorldsParking",
+                _describe(on_the_way, [world.get("phase") for world in on_the_way]),
+            )
+        )
+    else:
+        conditions.append(_condition("Progressing", False, "Asleep", f"{why}: {counts}"))
+    conditions.append(_degraded(failed))
+    conditions.append(
+        _condition(
+            "Sleeping",
+            asleep,
+            "EnginesParked" if asleep else "Parking",
+            f"{why}: {counts} (device memory released; GPUs stay allocated to the pods)",
+        )
+    )
+    phase = "Degraded" if failed else "Sleeping" if asleep else "Progressing"
     return conditions, phase
 
 

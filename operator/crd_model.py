@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from berth.operator.quantity import canonical_quantity
+
 GROUP = "berth.dev"
 VERSION = "v1alpha1"
 PLURAL = "llmdeployments"
@@ -132,8 +134,10 @@ class Resources(_CamelModel):
         return self
 
     def as_dict(self) -> dict[str, dict[str, str]]:
+        # Canonical form (0.5 -> 500m), the one the API server stores: anything else reads back
+        # as drift on every reconcile.
         return {
-            part: {key: str(value) for key, value in getattr(self, part).items()}
+            part: {key: canonical_quantity(value) for key, value in getattr(self, part).items()}
             for part in ("requests", "limits")
             if getattr(self, part)
         }
@@ -206,6 +210,7 @@ class HealthSpec(_CamelModel):
     restart_window_seconds: int = Field(default=3600, ge=1)
     backoff_seconds: int = Field(default=10, ge=0, le=3600)
     max_backoff_seconds: int = Field(default=300, ge=0, le=86400)
+    startup_timeout_seconds: int = Field(default=600, ge=5, le=86400)
 
     @model_validator(mode="after")
     def _consistent(self) -> HealthSpec:
@@ -283,14 +288,41 @@ class InvalidSpec(ValueError):
     """A spec the operator cannot build a world from; the message names the field."""
 
 
-def parse_spec(spec: Any) -> LLMDeploymentSpec:
-    """Validate a raw `spec` mapping; raise `InvalidSpec` with every problem, field by field."""
+# The name is a Service's name (a DNS-1035 label) and the prefix of every child's. The longest
+# child name that must fit a label value is a StatefulSet's pod label controller-revision-hash:
+# NAME-wI (up to NAME-w999, 5 more characters) plus an 11-character hash, at most 63 in all.
+MAX_NAME_LENGTH = 63 - 11 - len("-w999")
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+
+def name_problems(name: str) -> list[str]:
+    """Why an LLMDeployment of this name can never be deployed (the CRD refuses it too)."""
+    problems = []
+    if len(name) > MAX_NAME_LENGTH:
+        problems.append(
+            f"metadata.name must be at most {MAX_NAME_LENGTH} characters (it has {len(name)}): the operator "
+            "names children NAME-wI (up to NAME-w999), and a StatefulSet's pods carry its name plus an "
+            "11-character hash in a label of at most 63 characters"
+        )
+    if not re.match(NAME_PATTERN, name):
+        problems.append(
+            f"metadata.name {name!r} must be a DNS-1035 label (lower case letters, digits and '-', "
+            "starting with a letter): it is the name of the deployment's Service"
+        )
+    return problems
+
+
+def parse_spec(spec: Any, name: str | None = None) -> LLMDeploymentSpec:
+    """Validate a raw `spec` mapping (and the object's name, when given); raise `InvalidSpec`
+    with every problem, field by field."""
+    problems = name_problems(name) if name is not None else []
     try:
-        return LLMDeploymentSpec.model_validate(dict(spec or {}))
+        parsed = LLMDeploymentSpec.model_validate(dict(spec or {}))
     except ValidationError as exc:
-        problems = []
         for error in exc.errors():
             where = ".".join(str(part) for part in error["loc"])
             message = error["msg"].removeprefix("Value error, ")
             problems.append(f"spec.{where}: {message}" if where else f"spec: {message}")
-        raise InvalidSpec("; ".join(problems)) from None
+    if problems:
+        raise InvalidSpec("; ".join(problems))
+    return parsed

@@ -46,3 +46,8 @@ def new_ssh_key_pair(comment: str = "berth") -> SSHKeyPair:
 def b64(text: str) -> str:
     """Secret `data` values are base64 (stringData is a write-only convenience some servers lack)."""
     return base64.b64encode(text.encode()).decode()
+
+
+def unb64(data: str) -> str:
+    """A Secret's `data` value back to text."""
+    return base64.b64decode(data).decode()

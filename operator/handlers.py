@@ -7,6 +7,7 @@ Importing this module registers the handlers in kopf's default registry.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -18,7 +19,7 @@ from berth.operator import health, naming, reconcile, render
 from berth.operator.crd_model import GROUP, PLURAL, VERSION, InvalidSpec, parse_spec
 from berth.operator.kube import Kube, KubeError
 from berth.operator.metrics import metrics
-from berth.operator.supervisor import Supervisor
+from berth.operator.supervisor import Supervisor, utc_now
 
 FINALIZER = "berth.dev/operator"
 RETRY_DELAY = 5.0
@@ -39,6 +40,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: ko
     settings.posting.reporting_component = "berth-operator"
     settings.posting.event_name_prefix = "berth-"
     memo.kube = await Kube.connect(memo.get("kubeconfig"))
+    memo.drift = reconcile.DriftMemory()
     memo.http = httpx.AsyncClient()
     # The one replaceable function that turns a launcher pod into an address to poll.
     memo.setdefault("resolve_launcher_address", health.pod_address)
@@ -79,36 +81,74 @@ async def reconcile_children(
     **_: Any,
 ) -> None:
     started = time.perf_counter()
+    generation = meta.get("generation")
     try:
-        parsed = parse_spec(spec)
+        parsed = parse_spec(spec, name)
     except InvalidSpec as exc:
         metrics().reconciles.labels("invalid").inc()
         kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        # The refusal is this generation's answer: observedGeneration says it was seen (Argo CD
+        # shows Degraded, not Progressing forever). kopf applies the patch of a failed handler too.
+        _refuse(patch, generation, str(exc))
         raise kopf.PermanentError(f"invalid spec: {exc}") from None
 
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
     try:
         # A fresh object has nothing to prune; updates and resumes may (scale down, frontends 0).
         outcome = await reconcile.reconcile(
-            memo.kube, owner, parsed, prune_extra=reason != kopf.Reason.CREATE
+            memo.kube, owner, parsed, prune_extra=reason != kopf.Reason.CREATE, drift=memo.drift
         )
     except KubeError as exc:
+        if exc.status == 422:
+            # The API server refuses what this spec renders: retrying cannot help.
+            metrics().reconciles.labels("invalid").inc()
+            message = f"the API server refused a child: {exc.message}"
+            kopf.warn(body, reason="InvalidSpec", message=message)
+            _refuse(patch, generation, message)
+            raise kopf.PermanentError(f"the API server refused a child: {exc.message}") from exc
         metrics().reconciles.labels("retry").inc()
         raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY) from exc
 
     for type_, event_reason, message in outcome.events():
         kopf.event(body, type=type_, reason=event_reason, message=message)
-    patch.status["observedGeneration"] = meta.get("generation")
+    patch.status["observedGeneration"] = generation
+    patch.status["refusal"] = None
     patch.status["replicas"] = parsed.replicas
     patch.status["selector"] = naming.launcher_selector(name)
     patch.status["endpoint"] = naming.endpoint_url(name, namespace, parsed.service.port)
     metrics().reconciles.labels("success").inc()
     metrics().reconcile_seconds.observe(time.perf_counter() - started)
+    # The health daemon acts on the new spec now (a sleep switch, schedules, replicas), not a
+    # poll later. kopf's memo is per object: this is this LLMDeployment's daemon.
+    _spec_changed(memo).set()
     if outcome.changed:
         logger.info(
             f"reconciled: {len(outcome.created)} created, {len(outcome.patched)} patched, "
             f"{len(outcome.deleted)} deleted"
         )
+
+
+def _spec_changed(memo: kopf.Memo) -> asyncio.Event:
+    if "spec_changed" not in memo:
+        memo.spec_changed = asyncio.Event()
+    return memo.spec_changed
+
+
+async def _pause(stopped: kopf.DaemonStopped, wake: asyncio.Event, seconds: float) -> None:
+    """Until `seconds` pass, the daemon is stopped, or the spec changed, whichever is first."""
+    waits = {asyncio.ensure_future(stopped.wait(seconds)), asyncio.ensure_future(wake.wait())}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+    wake.clear()
+
+
+def _refuse(patch: kopf.Patch, generation: int | None, message: str) -> None:
+    """Record a refused spec where the health daemon reads it (it reports Degraded/InvalidSpec)."""
+    patch.status["observedGeneration"] = generation
+    patch.status["refusal"] = {"generation": generation, "message": message}
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
@@ -131,7 +171,11 @@ async def supervise_worlds(
         ),
         logger=logger,
         resync_seconds=float(memo.get("resync_seconds", RESYNC_SECONDS)),
+        drift=memo.drift,
+        # Replaceable (tests run the schedules on a shifted clock); real time otherwise.
+        clock=memo.get("clock") or utc_now,
     )
+    wake = _spec_changed(memo)
     try:
         while not stopped:
             try:
@@ -139,6 +183,7 @@ async def supervise_worlds(
             except KubeError as exc:
                 logger.warning(f"health round failed, retrying: {exc}")
                 interval = RETRY_DELAY
-            await stopped.wait(interval)
+            await _pause(stopped, wake, interval)
     finally:
+        supervisor.close()
         metrics().forget(namespace, name)

@@ -1,4 +1,4 @@
-"""Reading a world's engine: `GET /health` and `GET /ready` on its launcher.
+"""Reading a world's engine: `GET /health`, `GET /ready` and `GET /admin/state` on its launcher.
 
 The launcher's address comes from one replaceable function (`AddressResolver`): in a cluster
 it is the pod IP and the engine port; tests map a launcher pod to a real server on 127.0.0.1.
@@ -42,6 +42,9 @@ class Probe:
     admission: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    # From /admin/state (None without the admin token, or when it did not answer).
+    model_revision: str | None = None  # "PATH@DIGEST"
+    sleep_level: int | None = None
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:
@@ -52,10 +55,31 @@ def _json(response: httpx.Response) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-async def probe(client: httpx.AsyncClient, address: Address, timeout: float) -> Probe:
-    """Poll /health, then /ready when alive. Never raises: every failure is a Probe."""
+def base_url(address: Address) -> str:
+    """http://HOST:PORT, with an IPv6 pod IP in brackets (http://[fd00::5]:8000)."""
     host, port = address
-    base = f"http://{host}:{port}"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def admin_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def revision_text(revision: Any) -> str | None:
+    """The engine's `model_revision` ({path, digest}) as one string, the digest shortened."""
+    if not isinstance(revision, Mapping) or not revision.get("path"):
+        return None
+    return f"{revision['path']}@{str(revision.get('digest') or '')[:19]}"
+
+
+async def probe(
+    client: httpx.AsyncClient, address: Address, timeout: float, admin_token: str | None = None
+) -> Probe:
+    """Poll /health, then /ready (and /admin/state with a token) when alive. Never raises:
+    every failure is a Probe."""
+    base = base_url(address)
     started = time.perf_counter()
     try:
         health = await client.get(f"{base}/health", timeout=timeout)
@@ -72,13 +96,26 @@ async def probe(client: httpx.AsyncClient, address: Address, timeout: float) -> 
         ready = await client.get(f"{base}/ready", timeout=timeout)
         ready_body = _json(ready)
         admission = ready_body.get("admission") or ("running" if ready.status_code == 200 else None)
+        revision, level = None, None
+        if admin_token:
+            # Details only: readiness stays the engine's own /ready answer (what the kubelet sees).
+            state = await client.get(
+                f"{base}/admin/state", headers=admin_headers(admin_token), timeout=timeout
+            )
+            if state.status_code == 200:
+                body = _json(state)
+                revision = revision_text(body.get("model_revision"))
+                level = body.get("sleep_level") if isinstance(body.get("sleep_level"), int) else None
         return Probe(
             "alive",
             ready=ready.status_code == 200,
             admission=admission,
             seconds=time.perf_counter() - started,
+            model_revision=revision,
+            sleep_level=level,
         )
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        # InvalidURL is no HTTPError: an address that cannot be a URL must not end the daemon.
         return Probe(
             "unreachable", error=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - started
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter as Tally
 
@@ -39,6 +40,26 @@ class OperatorMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=registry,
         )
+        self.transitions = Counter(
+            "berth_operator_engine_transitions",
+            "Sleeps, wakeups and weight swaps the operator asked engines for, by why and result "
+            "(done, conflict, refused, dead, unreachable, failed).",
+            ["namespace", "deployment", "transition", "purpose", "result"],
+            registry=registry,
+        )
+        self.transition_seconds = Histogram(
+            "berth_operator_engine_transition_duration_seconds",
+            "How long one sleep (drain included), wakeup or weight swap took, as the operator waited.",
+            ["transition"],
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        self.rollout_worlds = Gauge(
+            "berth_operator_rollout_worlds",
+            "Worlds of the current rollout by state (done, in_flight, waiting), per LLMDeployment.",
+            ["namespace", "deployment", "state"],
+            registry=registry,
+        )
         self.worlds = Gauge(
             "berth_operator_worlds", "Worlds of all LLMDeployments by phase.", ["phase"], registry=registry
         )
@@ -51,7 +72,17 @@ class OperatorMetrics:
             self._phases[(namespace, deployment)] = Tally(phases)
             self._publish()
 
+    def set_rollout(self, namespace: str, deployment: str, memory: dict, replicas: int) -> None:
+        done = len(memory.get("done") or [])
+        in_flight = len(memory.get("inFlight") or [])
+        waiting = 0 if memory.get("complete") else max(replicas - done - in_flight, 0)
+        for state, value in (("done", done), ("in_flight", in_flight), ("waiting", waiting)):
+            self.rollout_worlds.labels(namespace, deployment, state).set(value)
+
     def forget(self, namespace: str, deployment: str) -> None:
+        for state in ("done", "in_flight", "waiting"):
+            with contextlib.suppress(KeyError):
+                self.rollout_worlds.remove(namespace, deployment, state)
         with self._lock:
             self._phases.pop((namespace, deployment), None)
             self._publish()

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from berth.engine.config import KV_CACHE_MEMORY_FRACTION_ENV
 from berth.operator import naming
 from berth.operator.crd_model import API_VERSION, GPU_RESOURCE, KIND, LLMDeploymentSpec
 from berth.operator.credentials import SSHKeyPair, b64
@@ -32,6 +33,19 @@ SSH_PRIVATE_KEY = "id_ed25519"
 SSH_PUBLIC_KEY = "id_ed25519.pub"
 SSH_AUTHORIZED_KEYS = "authorized_keys"
 MODEL_VOLUME = "model"
+SHM_VOLUME = "dshm"
+# The image's non-root user (images/Dockerfile). Launcher and frontends run as it; mpirun's ssh
+# logs in to the workers as it, so the ranks run as it too.
+POD_USER = 1000
+# Capabilities sshd needs as root in a worker pod (everything else is dropped): bind port 22,
+# switch to the login user, chroot its privilege-separated child, signal the session it started.
+SSHD_CAPABILITIES = ("NET_BIND_SERVICE", "SETUID", "SETGID", "SYS_CHROOT", "KILL", "CHOWN", "AUDIT_WRITE")
+STARTUP_PROBE_PERIOD = 5
+# The share of what a pod's memory limit leaves (after the weights, a profiled step and the
+# engine's headroom) that the engine's KV pool may take: the rest is what the operator reserves
+# for the pod's other processes (sshd, MPI's proxies, the HTTP server's growth under load).
+# The limit itself reaches the engine through the container's memory cgroup.
+KV_CACHE_MEMORY_FRACTION = "0.9"
 
 
 @dataclass(frozen=True)
@@ -133,9 +147,38 @@ def _secret_env(owner: Owner) -> list[dict[str, Any]]:
 
 
 def _user_env(spec: LLMDeploymentSpec, world: int) -> list[dict[str, Any]]:
-    return [{"name": "BERTH_WORLD", "value": str(world)}] + [
-        {"name": var.name, "value": var.value} for var in spec.env
+    # An empty value is rendered without `value`, as the API server stores it (`omitempty`):
+    # otherwise every read would differ from the rendering and be "repaired" forever.
+    operator_env = [{"name": "BERTH_WORLD", "value": str(world)}]
+    if not any(var.name == KV_CACHE_MEMORY_FRACTION_ENV for var in spec.env):  # the user's wins
+        operator_env.append({"name": KV_CACHE_MEMORY_FRACTION_ENV, "value": KV_CACHE_MEMORY_FRACTION})
+    return operator_env + [
+        {"name": var.name, "value": var.value} if var.value else {"name": var.name} for var in spec.env
     ]
+
+
+def _pod_security(*, as_root: bool) -> dict[str, Any]:
+    """Pod-level securityContext. fsGroup makes the mounted Secrets (mode 0400, owned by root)
+    readable by the image's user: group-owned by POD_USER's group and group-readable."""
+    context: dict[str, Any] = {"fsGroup": POD_USER, "seccompProfile": {"type": "RuntimeDefault"}}
+    if not as_root:
+        context.update(runAsNonRoot=True, runAsUser=POD_USER, runAsGroup=POD_USER)
+    return context
+
+
+def _container_security(capabilities: tuple[str, ...] = ()) -> dict[str, Any]:
+    dropped: dict[str, Any] = {"drop": ["ALL"]}
+    if capabilities:
+        dropped["add"] = list(capabilities)
+    return {"allowPrivilegeEscalation": False, "capabilities": dropped}
+
+
+def _shm_volume() -> dict[str, Any]:
+    # NCCL (and torch's shared-memory transports) need more than the runtime's 64 MiB /dev/shm.
+    return {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}
+
+
+SHM_MOUNT = {"name": SHM_VOLUME, "mountPath": "/dev/shm"}
 
 
 def _ssh_volume(owner: Owner) -> dict[str, Any]:
@@ -154,10 +197,12 @@ def _model_volumes(spec: LLMDeploymentSpec) -> tuple[list[dict[str, Any]], list[
     )
 
 
-def _http_probes() -> dict[str, Any]:
+def _http_probes(spec: LLMDeploymentSpec) -> dict[str, Any]:
     # Readiness follows the engine's admission (a parked engine leaves the Service); liveness
     # only says the HTTP process answers (the operator, not the kubelet, judges the engine).
-    # The startup probe gives the model load time before liveness counts.
+    # The startup probe gives the model load `health.startupTimeoutSeconds` before liveness
+    # counts (a large model on a slow volume needs far more than the default).
+    startup_checks = -(-spec.health.startup_timeout_seconds // STARTUP_PROBE_PERIOD)
     return {
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": "http"},
@@ -171,8 +216,8 @@ def _http_probes() -> dict[str, Any]:
         },
         "startupProbe": {
             "httpGet": {"path": "/live", "port": "http"},
-            "periodSeconds": 10,
-            "failureThreshold": 60,
+            "periodSeconds": STARTUP_PROBE_PERIOD,
+            "failureThreshold": startup_checks,
         },
     }
 
@@ -239,6 +284,8 @@ def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
     selector = naming.role_labels(owner.name, world, "worker")
     pod: dict[str, Any] = {
         **_placement(spec),
+        # sshd runs as root (it switches to the login user); the ranks it starts do not.
+        "securityContext": _pod_security(as_root=True),
         "containers": [
             {
                 "name": "worker",
@@ -249,13 +296,16 @@ def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
                 "env": _user_env(spec, world),
                 "resources": worker_resources(spec),
                 "readinessProbe": {"tcpSocket": {"port": "ssh"}, "periodSeconds": 5},
+                "securityContext": _container_security(SSHD_CAPABILITIES),
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "volumeMounts": [
                     {"name": "ssh", "mountPath": naming.SSH_DIR, "readOnly": True},
+                    dict(SHM_MOUNT),
                     *model_mounts,
                 ],
             }
         ],
-        "volumes": [_ssh_volume(owner), *model_volumes],
+        "volumes": [_ssh_volume(owner), _shm_volume(), *model_volumes],
     }
     if spec.nodes_per_world > 1:
         # One worker pod per node: two ranks' pods on one node would share its GPUs' budget.
@@ -309,6 +359,9 @@ def launcher_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
         "0.0.0.0",
         "--port",
         str(naming.ENGINE_PORT),
+        # Always: the frontend Deployment attaches here (and may be scaled up from 0 later).
+        "--attach-port",
+        str(naming.ATTACH_PORT),
     ]
     if spec.served_model_name:
         command += ["--served-model-name", spec.served_model_name]
@@ -326,6 +379,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
         # the whole world (launcher and workers together) instead.
         "restartPolicy": "Never",
         **_placement(spec),
+        "securityContext": _pod_security(as_root=False),
         "containers": [
             {
                 "name": "launcher",
@@ -338,10 +392,14 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
                 ],
                 "env": _secret_env(owner) + _user_env(spec, world),
                 "resources": spec.launcher_resources.as_dict(),
-                **_http_probes(),
+                **_http_probes(spec),
+                "securityContext": _container_security(),
+                # A launcher that dies says why in its pod's status (and so in the world's).
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "volumeMounts": [
                     {"name": "hostfile", "mountPath": naming.HOSTFILE_DIR, "readOnly": True},
                     {"name": "ssh", "mountPath": naming.SSH_DIR, "readOnly": True},
+                    dict(SHM_MOUNT),
                     *model_mounts,
                 ],
             }
@@ -349,6 +407,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
         "volumes": [
             {"name": "hostfile", "configMap": {"name": naming.hostfile_name(owner.name, world)}},
             _ssh_volume(owner),
+            _shm_volume(),
             *model_volumes,
         ],
     }
@@ -367,6 +426,14 @@ def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str,
         ),
         "spec": pod_spec,
     }
+
+
+def pod_specs_digest(owner: Owner, spec: LLMDeploymentSpec) -> str:
+    """What a rollout rolls to: a digest of the pod specs the spec renders (world 0's; every
+    world's differ from it only by their names)."""
+    return spec_hash(
+        {"launcher": launcher_pod_spec(owner, spec, 0), "worker": worker_pod_spec(owner, spec, 0)}
+    )
 
 
 def frontend_command(owner: Owner, world: int) -> list[str]:
@@ -388,6 +455,7 @@ def frontend_deployment(owner: Owner, spec: LLMDeploymentSpec, world: int) -> di
                 "metadata": {"labels": labels},
                 "spec": {
                     **_placement(spec),
+                    "securityContext": _pod_security(as_root=False),
                     "containers": [
                         {
                             "name": "frontend",
@@ -397,7 +465,9 @@ def frontend_deployment(owner: Owner, spec: LLMDeploymentSpec, world: int) -> di
                             "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT}],
                             "env": _secret_env(owner) + _user_env(spec, world),
                             "resources": spec.launcher_resources.as_dict(),
-                            **_http_probes(),
+                            **_http_probes(spec),
+                            "securityContext": _container_security(),
+                            "terminationMessagePolicy": "FallbackToLogsOnError",
                         }
                     ],
                 },

@@ -18,15 +18,31 @@ from typing import Any
 
 import httpx
 
-from berth.operator import conditions, naming, reconcile, render, worlds
+from berth.operator import conditions, engine_admin, naming, reconcile, render, rollout, schedule, worlds
 from berth.operator.crd_model import API_VERSION, KIND, InvalidSpec, LLMDeploymentSpec, parse_spec
+from berth.operator.credentials import unb64
 from berth.operator.health import AddressResolver, Probe, probe, resolve
 from berth.operator.kube import Conflict, Kube
 from berth.operator.metrics import OperatorMetrics
+from berth.operator.restarts import format_time, parse_time
 
-SETTLED_PHASES = ("Ready", "Failed")
+SETTLED_PHASES = ("Ready", "Failed", "Sleeping")
 FAST_INTERVAL = 2.0
+# A sleep or wakeup the engine refused (or that could not reach it) is asked again after this.
+TRANSITION_RETRY_SECONDS = 30.0
+# Phases in which the engine answers its admin routes.
+ANSWERING_PHASES = ("Ready", "NotReady", "Sleeping", "Waking")
 EventSink = Callable[[str, str, str], None]  # (type, reason, message)
+Clock = Callable[[], dt.datetime]
+
+
+def served_path(revision: str | None) -> str | None:
+    """The model directory of a world's modelRevision (PATH@DIGEST)."""
+    return revision.rpartition("@")[0] if revision and "@" in revision else None
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
 
 
 class Supervisor:
@@ -39,6 +55,8 @@ class Supervisor:
         post_event: EventSink,
         logger: logging.Logger | logging.LoggerAdapter,
         resync_seconds: float = 60.0,
+        drift: reconcile.DriftMemory | None = None,
+        clock: Clock = utc_now,
     ) -> None:
         self.kube = kube
         self.http = http
@@ -51,19 +69,45 @@ class Supervisor:
         self._written: dict[str, Any] | None = None
         self.resync_seconds = resync_seconds
         self._last_resync: dt.datetime | None = None
+        self.drift = drift if drift is not None else reconcile.DriftMemory()
+        self.clock = clock
+        self.transitions = engine_admin.Transitions()
+        self._admin_token: str | None = None
+        self._addresses: dict[int, tuple[str, int]] = {}  # world -> its launcher's address, this round
+
+    def close(self) -> None:
+        """Stop waiting for transitions in flight (the engines finish them on their own; a
+        resumed operator reads where they ended from the admission state)."""
+        self.transitions.cancel_all()
 
     async def tick(self, body: Mapping[str, Any], now: dt.datetime | None = None) -> float:
         """One round over every world; returns the seconds until the next one."""
-        now = now or dt.datetime.now(dt.timezone.utc)
+        now = now or self.clock()
         meta = body["metadata"]
         name, namespace = meta["name"], meta["namespace"]
         previous_status = self._written if self._written is not None else dict(body.get("status") or {})
+        refusal = (body.get("status") or {}).get("refusal") or {}
         try:
-            spec = parse_spec(body.get("spec"))
+            spec = parse_spec(body.get("spec"), name)
+            if refusal.get("generation") == meta.get("generation") and refusal.get("message"):
+                raise InvalidSpec(refusal["message"])
         except InvalidSpec as exc:
+            # observedGeneration too: the refusal is this generation's answer (Argo CD: Degraded).
             conds, phase = conditions.summarise([], 0, invalid_spec=str(exc))
-            await self._write_status(body, previous_status, [], conds, phase, 0, 0, now)
+            await self._write_status(
+                body,
+                previous_status,
+                [],
+                conds,
+                phase,
+                0,
+                0,
+                now,
+                {"observedGeneration": meta.get("generation")},
+            )
             return 30.0
+        evaluation = schedule.evaluate(spec, previous_status.get("sleepSchedule"), now)
+        intent = evaluation.intent
 
         owner = render.Owner(name=name, namespace=namespace, uid=meta["uid"])
         reconciled = (body.get("status") or {}).get("observedGeneration") is not None
@@ -71,37 +115,353 @@ class Supervisor:
         pods = await self.kube.list("v1", "Pod", namespace, {naming.DEPLOYMENT: name})
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         previous_worlds = {world.get("index"): world for world in previous_status.get("worlds") or []}
+        token = await self._token(owner)
+        finished = {world: (purpose, outcome) for world, purpose, outcome in self.transitions.finished()}
 
         world_list = list(range(spec.replicas))
         steps = await asyncio.gather(
             *(
-                self._judge(owner, spec, index, by_name, pods, previous_worlds.get(index, {}), now)
+                self._judge(owner, spec, index, by_name, pods, previous_worlds.get(index, {}), now, token)
                 for index in world_list
             )
         )
         statuses = []
-        for index, (step, replace_reason) in zip(world_list, steps):
-            for event in step.events:
-                self.post_event(*event)
-            if replace_reason is not None:
-                await self._replace_world(owner, spec, index, pods)
-            elif step.restart is not None:
-                self.metrics.world_restarts.labels(namespace, name, step.restart.reason).inc()
-                self.logger.warning(f"restarting world {index}: {step.restart.reason}: {step.restart.error}")
-                await self._replace_world(owner, spec, index, pods)
+        orders: dict[int, tuple[str, list[str]]] = {}  # world -> (replace | create, pods to delete)
+        for index, (step, _, _) in zip(world_list, steps):
+            if step.restart is not None:
+                self._order_replacement(index, step, pods, orders)
+            elif step.status.get("replacedPods"):
+                orders[index] = ("replace", step.status.pop("replacingNow"))
             elif reconciled and naming.launcher_pod_name(name, index) not in by_name:
                 # Launchers are bare pods: this loop is their controller.
-                await self._create_launcher(owner, spec, index)
+                orders[index] = ("create", [])
+            if index in finished:
+                self._record_outcome(owner, index, step.status, *finished[index], now)
             statuses.append(step.status)
 
-        conds, phase = conditions.summarise(statuses, spec.replicas)
+        # The rollout takes the worlds whose pods run an outdated spec, a few at a time.
+        target = render.pod_specs_digest(owner, spec)
+        world_states = [
+            rollout.WorldState(
+                index=index,
+                ready=bool(step.status.get("ready")),
+                phase=str(step.status.get("phase")),
+                admission=step.status.get("admission"),
+                outdated=None if index in orders else outdated,
+                busy=self.transitions.busy(index),
+            )
+            for index, (step, _, outdated) in zip(world_list, steps)
+        ]
+        refused = {
+            index: outcome.message
+            for index, (purpose, outcome) in finished.items()
+            if purpose == "swap" and outcome.kind == "swap" and outcome.result == "refused"
+        }
+        rolling = rollout.plan(
+            world_states,
+            previous_status.get("rollout"),
+            target,
+            spec.rollout.max_unavailable,
+            now,
+            spec.rollout.drain_timeout_seconds,
+            spec.health.startup_timeout_seconds,
+            refused,
+        )
+        for event in rolling.events:
+            self.post_event(*event)
+        for index, order in rolling.orders:
+            self._carry_out(owner, spec, index, order, steps[index][0], pods, orders, steps[index][2])
+        in_rollout = {entry["world"] for entry in rolling.memory["inFlight"]}
+        for index, (step, _, _) in zip(world_list, steps):
+            if index not in orders and index not in in_rollout:
+                self._steer_sleep(spec, intent, index, step, by_name, owner, now)
+        self.metrics.set_rollout(namespace, name, rolling.memory, spec.replicas)
+        retiring = await self._retire_worlds(owner, spec, pods, previous_worlds, finished, token, now)
+
+        conds, phase = conditions.summarise(statuses, spec.replicas, sleep=intent, retiring=retiring)
         ready = sum(1 for world in statuses if world.get("phase") == "Ready")
         self.metrics.set_world_phases(namespace, name, [world["phase"] for world in statuses])
-        await self._write_status(body, previous_status, statuses, conds, phase, ready, spec.replicas, now)
-        if any(world["phase"] not in SETTLED_PHASES for world in statuses):
+        extra = {
+            "sleepSchedule": evaluation.memory,
+            "nextTransition": evaluation.next_transition,
+            "modelRevision": self._model_revision(statuses),
+            "rollout": rolling.memory,
+        }
+        # Status first, then the pods: a restart is counted (and its backoff started) before any
+        # pod goes, so a failed status write can never make one death count twice.
+        await self._write_status(
+            body, previous_status, statuses + retiring, conds, phase, ready, spec.replicas, now, extra
+        )
+        for (step, _, _), world_status in zip(steps, statuses):
+            for event in step.events:
+                self.post_event(*event)
+            if step.restart is not None:
+                self.metrics.world_restarts.labels(namespace, name, step.restart.reason).inc()
+                self.logger.warning(
+                    f"restarting world {world_status['index']}: {step.restart.reason}: {step.restart.error}"
+                )
+        for index, (action, doomed_names) in sorted(orders.items()):
+            if action == "replace":
+                await self._replace_world(owner, spec, index, doomed_names)
+            else:
+                await self._create_launcher(owner, spec, index)
+        interval = float(spec.health.interval_seconds)
+        if (
+            retiring
+            or self.transitions.tasks
+            or any(world["phase"] not in SETTLED_PHASES for world in statuses)
+        ):
             # A world on its way up (or down) is polled more often than a settled one.
-            return float(min(spec.health.interval_seconds, FAST_INTERVAL))
-        return float(spec.health.interval_seconds)
+            interval = min(interval, FAST_INTERVAL)
+        until = schedule.seconds_until(evaluation.next_transition, now)
+        if until is not None:
+            # Wake up for the next scheduled transition: it happens at its time, not a poll later.
+            interval = min(interval, until + 0.01)
+        return interval
+
+    async def _retire_worlds(
+        self,
+        owner: render.Owner,
+        spec: LLMDeploymentSpec,
+        pods: list[dict[str, Any]],
+        previous_worlds: Mapping[int, Mapping[str, Any]],
+        finished: Mapping[int, tuple[str, engine_admin.TransitionOutcome]],
+        token: str | None,
+        now: dt.datetime,
+    ) -> list[dict[str, Any]]:
+        """Scale-down: drain each world beyond `replicas` (sleep, mode drain), then delete its
+        launcher and prune the rest. Returns their statuses (phase Retiring) while they drain.
+
+        Nothing here needs memory of its own: after an operator restart a world still parking
+        is waited for, a parked one removed, one still running drained again."""
+        launchers = [
+            pod for pod in pods if (pod["metadata"].get("labels") or {}).get(naming.ROLE) == "launcher"
+        ]
+        statuses = []
+        removed = False
+        for index in sorted(reconcile.retiring_worlds(spec, launchers)):
+            launcher_name = naming.launcher_pod_name(owner.name, index)
+            launcher = next(pod for pod in launchers if pod["metadata"]["name"] == launcher_name)
+            status: dict[str, Any] = {
+                key: previous_worlds[index][key]
+                for key in ("restarts", "modelRevision", "lastTransition")
+                if key in previous_worlds.get(index, {})
+            }
+            status.update(index=index, launcherPod=launcher_name, ready=False, phase="Retiring")
+            ended = finished.get(index)
+            if ended is not None:
+                self._record_outcome(owner, index, status, *ended, now)
+            if self.transitions.busy(index):
+                status["message"] = "draining requests in flight before the world is removed (scale-down)"
+                statuses.append(status)
+                continue
+            address = (
+                await resolve(self.resolver, launcher)
+                if (launcher.get("status") or {}).get("podIP")
+                else None
+            )
+            result = await probe(self.http, address, spec.health.timeout_seconds, token) if address else None
+            admission = result.admission if result is not None and result.status == "alive" else None
+            drained = ended is not None and ended[0] == "retire" and ended[1].result != "conflict"
+            if admission == "running" and not drained:
+                self.post_event(
+                    "Normal",
+                    "WorldDraining",
+                    f"world {index}: draining (up to {spec.rollout.drain_timeout_seconds}s) before removal: "
+                    f"replicas is {spec.replicas}",
+                )
+                call = engine_admin.sleep(self.http, address, token, 1, spec.rollout.drain_timeout_seconds)
+                self.transitions.start(index, "sleep", "retire", call)
+                status.update(admission=admission, message="draining requests in flight before removal")
+                statuses.append(status)
+                continue
+            if admission in ("parking", "waking"):
+                status.update(
+                    admission=admission, message=f"waiting for the engine ({admission}) before removal"
+                )
+                statuses.append(status)
+                continue
+            # Parked, drained, never up, or dead: nothing in flight to wait for.
+            await self.kube.delete("v1", "Pod", owner.namespace, launcher_name)
+            self.post_event("Normal", "WorldRemoved", f"world {index} removed: replicas is {spec.replicas}")
+            removed = True
+        if removed:
+            outcome = reconcile.Outcome()
+            await reconcile.prune(self.kube, owner, spec, outcome)
+            for event in outcome.events():
+                self.post_event(*event)
+        return statuses
+
+    async def _token(self, owner: render.Owner) -> str | None:
+        """The admin token the engines of this deployment accept (its Secret is never rotated)."""
+        if self._admin_token is None:
+            secret = await self.kube.get(
+                "v1", "Secret", owner.namespace, naming.admin_token_secret(owner.name)
+            )
+            token = ((secret or {}).get("data") or {}).get("token")
+            self._admin_token = unb64(token) if token else None
+        return self._admin_token
+
+    @staticmethod
+    def _model_revision(statuses: list[dict[str, Any]]) -> str | None:
+        """The revision every world serves; while they differ (a rollout), each one, by world."""
+        revisions = {world["index"]: world.get("modelRevision") for world in statuses}
+        known = sorted({revision for revision in revisions.values() if revision})
+        if not known:
+            return None
+        if len(known) == 1 and all(revisions.values()):
+            return known[0]
+        return "; ".join(
+            f"world {index}: {revision or 'unknown'}" for index, revision in sorted(revisions.items())
+        )
+
+    def _record_outcome(
+        self,
+        owner: render.Owner,
+        index: int,
+        status: dict[str, Any],
+        purpose: str,
+        outcome: engine_admin.TransitionOutcome,
+        now: dt.datetime,
+    ) -> None:
+        """A transition that ended: the world's lastTransition, an Event, the metrics."""
+        self.metrics.transitions.labels(
+            owner.namespace, owner.name, outcome.kind, purpose, outcome.result
+        ).inc()
+        if outcome.result == "conflict":
+            return  # the engine is already there or on its way: nothing happened, nothing to report
+        self.metrics.transition_seconds.labels(outcome.kind).observe(outcome.seconds)
+        status["lastTransition"] = {
+            "kind": outcome.kind,
+            "purpose": purpose,
+            "result": outcome.result,
+            "message": outcome.message,
+            "time": format_time(now),
+        }
+        if outcome.ok:
+            aborted = (
+                f", {outcome.num_aborted} request(s) aborted at the drain timeout"
+                if outcome.num_aborted
+                else ""
+            )
+            reason = {"sleep": "WorldAsleep", "wakeup": "WorldAwake", "swap": "WeightsSwapped"}[outcome.kind]
+            self.post_event("Normal", reason, f"world {index}: {outcome.message}{aborted} ({purpose})")
+        else:
+            reason = {"sleep": "SleepFailed", "wakeup": "WakeupFailed", "swap": "WeightSwapFailed"}[
+                outcome.kind
+            ]
+            self.post_event(
+                "Warning", reason, f"world {index}: {outcome.kind} {outcome.result}: {outcome.message}"
+            )
+
+    def _order_replacement(
+        self,
+        index: int,
+        step: worlds.WorldStep,
+        pods: list[dict[str, Any]],
+        orders: dict[int, tuple[str, list[str]]],
+    ) -> None:
+        """Replace the world's pods. They go into status with the order: if deleting them fails
+        half-way, the next round finishes the job instead of counting a new death."""
+        doomed = self._world_pods(index, pods)
+        step.status["replacedPods"] = sorted(pod["metadata"]["uid"] for pod in doomed)
+        orders[index] = ("replace", [pod["metadata"]["name"] for pod in doomed])
+
+    def _carry_out(
+        self,
+        owner: render.Owner,
+        spec: LLMDeploymentSpec,
+        index: int,
+        order: rollout.Order,
+        step: worlds.WorldStep,
+        pods: list[dict[str, Any]],
+        orders: dict[int, tuple[str, list[str]]],
+        outdated: str | None,
+    ) -> None:
+        """One rollout order for world `index` (`outdated`: which of its pod specs changed)."""
+        address = self._addresses.get(index)
+        drain = spec.rollout.drain_timeout_seconds
+        if order == "replace":
+            if index in orders:
+                return  # a restart or a creation already takes care of its pods this round
+            # Not a failure: the restart budget is not spent.
+            step.status.update(
+                phase="Restarting",
+                ready=False,
+                members={},
+                probeFailures=0,
+                message="replacing the world's pods for the new spec (rollout)",
+            )
+            self._order_replacement(index, step, pods, orders)
+            self.post_event(
+                "Normal",
+                "WorldReplaced",
+                f"world {index} replaced: its {outdated or 'launcher'} pod spec changed",
+            )
+            return
+        if address is None or self.transitions.busy(index):
+            return
+        token = self._admin_token
+        if order == "drain":
+            call = engine_admin.sleep(self.http, address, token, 1, drain)
+            self.transitions.start(index, "sleep", "rollout", call)
+        elif order == "swap-sleep":
+            # Level 2: the old weights go; the wakeup loads the new ones in the same processes.
+            self.transitions.start(
+                index, "sleep", "swap", engine_admin.sleep(self.http, address, token, 2, drain)
+            )
+        elif order == "swap-wake":
+            timeout = spec.health.startup_timeout_seconds
+            call = engine_admin.wakeup(self.http, address, token, timeout, model=spec.model.path)
+            self.transitions.start(index, "swap", "swap", call)
+        elif order == "wake":
+            call = engine_admin.wakeup(self.http, address, token, spec.health.startup_timeout_seconds)
+            self.transitions.start(index, "wakeup", "wake", call)
+
+    def _steer_sleep(
+        self,
+        spec: LLMDeploymentSpec,
+        intent: schedule.SleepIntent,
+        index: int,
+        step: worlds.WorldStep,
+        by_name: Mapping[str, Mapping[str, Any]],
+        owner: render.Owner,
+        now: dt.datetime,
+    ) -> None:
+        """Start the sleep or wakeup that brings world `index` where the intent wants it."""
+        status = step.status
+        if self.transitions.busy(index) or status.get("phase") not in ANSWERING_PHASES:
+            return
+        last = status.get("lastTransition") or {}
+        if (
+            last.get("result") not in (None, "done")
+            and (now - parse_time(last["time"])).total_seconds() < TRANSITION_RETRY_SECONDS
+        ):
+            return  # it failed a moment ago: not again on every poll
+        launcher = by_name.get(naming.launcher_pod_name(owner.name, index))
+        address = self._addresses.get(index)
+        if launcher is None or address is None:
+            return
+        admission = status.get("admission")
+        if intent.asleep and admission == "running":
+            self.post_event(
+                "Normal",
+                "Sleeping",
+                f"world {index}: sleeping at level {intent.level} ({intent.source}); requests in flight "
+                f"get up to {spec.rollout.drain_timeout_seconds}s to finish",
+            )
+            call = engine_admin.sleep(
+                self.http, address, self._admin_token, intent.level, spec.rollout.drain_timeout_seconds
+            )
+            self.transitions.start(index, "sleep", "sleep", call)
+        elif not intent.asleep and admission == "parked":
+            self.post_event(
+                "Normal", "Waking", f"world {index}: waking up (nothing asks it to sleep any more)"
+            )
+            call = engine_admin.wakeup(
+                self.http, address, self._admin_token, spec.health.startup_timeout_seconds
+            )
+            self.transitions.start(index, "wakeup", "wake", call)
 
     async def _resync(
         self, owner: render.Owner, spec: LLMDeploymentSpec, reconciled: bool, now: dt.datetime
@@ -116,7 +476,7 @@ class Supervisor:
         if (now - self._last_resync).total_seconds() < self.resync_seconds:
             return
         self._last_resync = now
-        outcome = await reconcile.reconcile(self.kube, owner, spec, prune_extra=True)
+        outcome = await reconcile.reconcile(self.kube, owner, spec, prune_extra=True, drift=self.drift)
         for event in outcome.events():
             self.post_event(*event)
 
@@ -129,7 +489,8 @@ class Supervisor:
         pods: list[dict[str, Any]],
         previous: Mapping[str, Any],
         now: dt.datetime,
-    ) -> tuple[worlds.WorldStep, str | None]:
+        token: str | None = None,
+    ) -> tuple[worlds.WorldStep, str | None, str | None]:
         launcher = by_name.get(naming.launcher_pod_name(owner.name, index))
         workers = [
             pod
@@ -137,52 +498,124 @@ class Supervisor:
             if pod["metadata"].get("labels", {}).get(naming.WORLD) == str(index)
             and pod["metadata"].get("labels", {}).get(naming.ROLE) == "worker"
         ]
-        desired = render.launcher_pod(owner, spec, index)
-        if launcher is not None and not launcher["metadata"].get("deletionTimestamp"):
-            live_hash = (launcher["metadata"].get("annotations") or {}).get(naming.SPEC_HASH)
-            if live_hash != desired["metadata"]["annotations"][naming.SPEC_HASH]:
-                # The spec changed under a running world: replace it whole, which is not a
-                # failure and does not spend the restart budget.
-                status = {key: previous[key] for key in worlds.PERSISTENT if key in previous}
-                status.update(
-                    index=index,
-                    launcherPod=desired["metadata"]["name"],
-                    ready=False,
-                    members={},
-                    probeFailures=0,
-                    phase="Restarting",
-                    message="replacing the world's pods with the changed spec",
-                )
-                event = ("Normal", "WorldReplaced", f"world {index} replaced: its pod spec changed")
-                return worlds.WorldStep(status=status, events=[event]), "SpecChanged"
-
+        unfinished = self._unfinished_replacement(index, previous, pods)
+        if unfinished:
+            # A restart whose status was written but whose pods were not all deleted: finish it.
+            status = {key: previous[key] for key in (*worlds.PERSISTENT, "replacedPods") if key in previous}
+            status.update(
+                index=index,
+                launcherPod=naming.launcher_pod_name(owner.name, index),
+                ready=False,
+                phase="Restarting",
+                message="deleting the pods of the world being restarted",
+                replacingNow=unfinished,
+            )
+            return worlds.WorldStep(status=status), None, None
         view = worlds.view_pods(
             owner.name, index, launcher, workers, spec.nodes_per_world, previous.get("members") or {}
         )
         result: Probe | None = None
+        self._addresses.pop(index, None)
         if view.running and view.failure is None and launcher is not None:
             address = await resolve(self.resolver, launcher)
             if address is not None:
-                result = await probe(self.http, address, spec.health.timeout_seconds)
+                self._addresses[index] = address
+                result = await probe(self.http, address, spec.health.timeout_seconds, token)
                 self.metrics.probe_seconds.labels(result.status).observe(result.seconds)
-        return worlds.step(index, previous, view, result, now, spec, owner.name), None
+        step = worlds.step(index, previous, view, result, now, spec, owner.name)
+        outdated = await self._changed_pod_spec(owner, spec, index, launcher, workers)
+        if (
+            outdated == "launcher"
+            and spec.rollout.in_place_weight_swap
+            and self._only_model_differs(owner, spec, index, launcher)
+        ):
+            outdated = "model"
+        if outdated == "model" and served_path(step.status.get("modelRevision")) == spec.model.path:
+            outdated = None  # swapped in place already: the pod's command names the old path
+        return step, None, outdated
+
+    @staticmethod
+    def _world_pods(index: int, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The launcher and worker pods of one world that are not already going away."""
+        return [
+            pod
+            for pod in pods
+            if pod["metadata"].get("labels", {}).get(naming.WORLD) == str(index)
+            and pod["metadata"].get("labels", {}).get(naming.ROLE) in ("launcher", "worker")
+            and not pod["metadata"].get("deletionTimestamp")
+        ]
+
+    def _unfinished_replacement(
+        self, index: int, previous: Mapping[str, Any], pods: list[dict[str, Any]]
+    ) -> list[str]:
+        """Names of pods a recorded restart was to delete that still stand."""
+        doomed = set(previous.get("replacedPods") or [])
+        return [
+            pod["metadata"]["name"]
+            for pod in self._world_pods(index, pods)
+            if pod["metadata"]["uid"] in doomed
+        ]
+
+    @staticmethod
+    def _only_model_differs(
+        owner: render.Owner, spec: LLMDeploymentSpec, index: int, launcher: Mapping[str, Any] | None
+    ) -> bool:
+        """True when the launcher pod would be current but for `model.path` (a weight swap)."""
+        if launcher is None:
+            return False
+        command = launcher["spec"]["containers"][0].get("command") or []
+        if len(command) < 3 or command[2] == spec.model.path:
+            return False
+        model = spec.model.model_copy(update={"path": command[2]})
+        as_before = spec.model_copy(update={"model": model})
+        wanted = render.launcher_pod(owner, as_before, index)["metadata"]["annotations"][naming.SPEC_HASH]
+        return (launcher["metadata"].get("annotations") or {}).get(naming.SPEC_HASH) == wanted
+
+    async def _changed_pod_spec(
+        self,
+        owner: render.Owner,
+        spec: LLMDeploymentSpec,
+        index: int,
+        launcher: Mapping[str, Any] | None,
+        workers: list[dict[str, Any]],
+    ) -> str | None:
+        """'launcher' or 'worker' when a running pod of the world runs an outdated pod spec."""
+        if launcher is not None and not launcher["metadata"].get("deletionTimestamp"):
+            desired = render.launcher_pod(owner, spec, index)["metadata"]["annotations"][naming.SPEC_HASH]
+            if (launcher["metadata"].get("annotations") or {}).get(naming.SPEC_HASH) != desired:
+                return "launcher"
+        live_workers = [pod for pod in workers if not pod["metadata"].get("deletionTimestamp")]
+        if not live_workers:
+            return None
+        wanted = render.spec_hash(render.worker_pod_spec(owner, spec, index))
+        if all(
+            (pod["metadata"].get("annotations") or {}).get(naming.SPEC_HASH) == wanted for pod in live_workers
+        ):
+            return None
+        # Workers come from the StatefulSet's template: replacing them before the reconcile has
+        # patched it would bring back the old spec (and replace the world a second time).
+        sts = await self.kube.get(
+            "apps/v1", "StatefulSet", owner.namespace, naming.world_name(owner.name, index)
+        )
+        template = ((sts or {}).get("spec") or {}).get("template") or {}
+        if (template.get("metadata", {}).get("annotations") or {}).get(naming.SPEC_HASH) != wanted:
+            return None
+        return "worker"
 
     async def _replace_world(
-        self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, pods: list[dict[str, Any]]
+        self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, doomed: list[str]
     ) -> None:
         """Delete the launcher and every worker pod together, then start a new launcher.
 
         The StatefulSet brings the workers back under the same names (stable host names, so
-        the hostfile stays valid); the launcher is ours to recreate.
+        the hostfile stays valid); the launcher is ours to recreate (once the old one is gone).
         """
-        for pod in pods:
-            labels = pod["metadata"].get("labels", {})
-            if labels.get(naming.WORLD) == str(index) and labels.get(naming.ROLE) in ("launcher", "worker"):
-                await self.kube.delete("v1", "Pod", owner.namespace, pod["metadata"]["name"])
+        for name in doomed:
+            await self.kube.delete("v1", "Pod", owner.namespace, name)
         await self._create_launcher(owner, spec, index)
 
     async def _create_launcher(self, owner: render.Owner, spec: LLMDeploymentSpec, index: int) -> None:
-        # Conflict: the old pod is still terminating; the next round tries again.
+        # Conflict: the old pod is still terminating (graceful deletion); the next round tries again.
         with contextlib.suppress(Conflict):
             await self.kube.create(render.launcher_pod(owner, spec, index))
 
@@ -196,6 +629,7 @@ class Supervisor:
         ready: int,
         desired: int,
         now: dt.datetime,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         meta = body["metadata"]
         generation = meta.get("generation")
@@ -205,6 +639,7 @@ class Supervisor:
             "phase": phase,
             "readyReplicas": ready,
             "worldsReady": f"{ready}/{desired}",
+            **(extra or {}),
         }
         if all(previous.get(key) == value for key, value in new.items()):
             return

@@ -22,7 +22,9 @@ from berth.operator.restarts import RestartPolicy, decide, format_time, recent_r
 
 # Phases in which the engine has answered since the world last (re)started: from here on an
 # unanswered poll counts toward failureThreshold (before, the model may still be loading).
-UP_PHASES = ("Ready", "NotReady", "Unreachable")
+UP_PHASES = ("Ready", "NotReady", "Sleeping", "Waking", "Unreachable")
+# The engine's admission states while it sleeps (world phase Sleeping) and wakes (Waking).
+ASLEEP_STATES = ("parking", "parked")
 FAILING_PHASES = ("Restarting", "BackingOff", "Failed")
 # Fields of a world's status that outlive one poll (the rest is recomputed every time).
 PERSISTENT = (
@@ -35,12 +37,14 @@ PERSISTENT = (
     "members",
     "probeFailures",
     "modelRevision",
+    "lastTransition",
 )
 
 
 @dataclass(frozen=True)
 class Failure:
-    reason: str  # EngineDead, LauncherFailed, LauncherGone, WorkerFailed, WorkerRestarted, Unreachable
+    # EngineDead, LauncherFailed, LauncherExited, LauncherGone, WorkerFailed, WorkerRestarted, Unreachable
+    reason: str
     error: str
 
 
@@ -111,8 +115,15 @@ def view_pods(
 
     if launcher is not None and _phase(launcher) == "Failed":
         failure = Failure("LauncherFailed", f"launcher pod {launcher_name}: {_termination_text(launcher)}")
+    elif launcher is not None and _phase(launcher) == "Succeeded":
+        # A launcher serves until it is stopped: one that ended on its own (even with exit code 0)
+        # has ended its world, and nothing else would ever restart it (restartPolicy Never).
+        failure = Failure(
+            "LauncherExited",
+            f"launcher pod {launcher_name} ended on its own: {_termination_text(launcher)}",
+        )
     for pod in workers:
-        if failure is None and _phase(pod) == "Failed":
+        if failure is None and _phase(pod) in ("Failed", "Succeeded"):
             failure = Failure(
                 "WorkerFailed", f"worker pod {pod['metadata']['name']}: {_termination_text(pod)}"
             )
@@ -193,12 +204,24 @@ def step(
         else:
             status["probeFailures"] = 0
             status["admission"] = probe.admission or "running"
+            if probe.model_revision is not None:
+                status["modelRevision"] = probe.model_revision
+            if probe.sleep_level is not None:
+                status["sleepLevel"] = probe.sleep_level
             if not status.get("members"):
                 # The world is up: remember exactly which pods it runs on, so that one of
                 # them being replaced or restarted later is recognised as the world's death.
                 status["members"] = pods.snapshot
             if probe.ready:
                 status.update(phase="Ready", ready=True, message="engine alive and admitting requests")
+            elif status["admission"] in ASLEEP_STATES:
+                level = f" at level {probe.sleep_level}" if probe.sleep_level else ""
+                status.update(
+                    phase="Sleeping",
+                    message=f"engine asleep{level} (admission: {status['admission']}); out of the Service",
+                )
+            elif status["admission"] == "waking":
+                status.update(phase="Waking", message="engine waking up (admission: waking)")
             else:
                 status.update(
                     phase="NotReady",

@@ -1,4 +1,4 @@
-"""`berth bench {throughput,proxy,serve}`."""
+"""`berth bench {throughput,proxy,serve,sleep}`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ BENCHMARKS = {
     "throughput": ("berth.engine.bench.throughput", "offline throughput: berth vs transformers generate"),
     "proxy": ("berth.engine.bench.proxy", "the proxy + worker shape vs the in-process engine"),
     "serve": ("berth.engine.bench.serve", "load-test a running OpenAI-compatible server"),
+    "sleep": ("berth.engine.bench.sleep", "sleep / wakeup: time to PARKED and back, memory released"),
 }
 
 

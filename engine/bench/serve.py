@@ -8,12 +8,22 @@ generating exactly its drawn number of tokens (`ignore_eos`). Requests start all
 Reported per request: TTFT (request sent -> first chunk with text), TPOT ((E2E - TTFT) /
 (output tokens - 1)), ITL (gaps between streamed chunks; a chunk is one engine step's text, so
 usually one token) and E2E latency; overall: request, output-token and total-token throughput.
+Then the latency of a small request (`GET /live`) on a kept-alive connection and on fresh ones:
+every OpenAI client reuses connections, and a server that lets Nagle's algorithm hold back its
+responses shows it there (~40 ms reused vs ~1 ms fresh).
 
 The server is the one at `--base-url`, or (default) a `berth serve MODEL_DIR` this command
 starts on a free port and stops afterwards. Then, unless `--skip-offline`, the same workload
 runs offline through `LLM.generate` (as `berth bench throughput` measures it) with the same
 engine options, and the ratio served / offline output-token throughput is printed. Both runs
 share this machine's CPUs with whatever else runs, the load generator included.
+
+`--plot FILE.png` draws every request's TTFT and TPOT (sorted, as distributions).
+
+`--frontends K` and `--num-postprocess-workers N` measure the multi-process shape against the
+single-process server in the same run: after the plain `berth serve`, the same workload goes
+to an engine whose owner runs N postprocess workers, spread over K frontends attached to it
+(`berth serve --attach`; K = 0: to the owner itself), and the ratios of the two are printed.
 """
 
 from __future__ import annotations
@@ -24,18 +34,23 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from berth.engine.bench.workload import WorkItem, add_workload_arguments, describe_workload, make_workload
 
 LISTENING = "berth serve: listening on "
+ATTACH_AT = "berth serve: frontends attach at "
+
+
+KEEPALIVE_PROBES = 50
 
 
 @dataclass
@@ -66,11 +81,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, default=32, help="max_batch_size of the engine (started server, baseline)"
     )
     parser.add_argument("--max-num-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="the engine's (server, baseline)"
+    )
     parser.add_argument("--skip-offline", action="store_true", help="no offline LLM.generate baseline")
     parser.add_argument(
         "--offline-executor", default="in-process", help="the baseline's executor (as bench throughput)"
     )
     parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot the TTFT and TPOT of every request")
+    parser.add_argument(
+        "--frontends",
+        type=int,
+        default=0,
+        help="then run the load through K frontends attached to one engine (`berth serve --attach`) "
+        "and compare with the single-process server",
+    )
+    parser.add_argument(
+        "--num-postprocess-workers",
+        type=int,
+        default=0,
+        help="then run it on an engine whose owner detokenizes in N postprocess workers, and compare",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"berth bench serve: error: {problem}", file=sys.stderr)
         return 2
+    if args.plot:
+        import matplotlib  # noqa: F401  (fail now, not after the benchmark)
     from berth.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
@@ -88,15 +122,48 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     api_key = args.api_key or os.environ.get("BERTH_API_KEY") or None
+    shapes = [Shape("single-process server", 0, 0)]
+    if args.frontends or args.num_postprocess_workers:
+        shapes.append(
+            Shape(
+                _describe(args.frontends, args.num_postprocess_workers),
+                args.frontends,
+                args.num_postprocess_workers,
+            )
+        )
+    measured = []
     try:
-        with _server(args) as base_url:
-            duration, results = asyncio.run(_benchmark(args, base_url, api_key, workload))
+        for shape in shapes:
+            with _servers(args, shape) as urls:
+                duration, results = asyncio.run(_benchmark(args, urls, api_key, workload))
+                if not measured:
+                    keepalive = asyncio.run(_keepalive_latency(urls[0]))
+            measured.append((shape, duration, results))
     except (RuntimeError, OSError) as error:
         print(f"berth bench serve: error: {error}", file=sys.stderr)
         return 1
     offline = None if args.skip_offline else _offline_tokens_per_s(args, workload)
-    _report(args, workload, duration, results, offline)
-    return 0 if all(r.ok for r in results) else 1
+    for shape, duration, results in measured:
+        _report(args, workload, duration, results, offline, title=shape.label if len(measured) > 1 else None)
+    _report_keepalive(keepalive)
+    if len(measured) > 1:
+        _report_shapes(measured)
+    if args.plot:
+        _plot(args, measured[-1][2])  # the shape asked about (the only one, without --frontends)
+        print(f"plot: {args.plot}")
+    return 0 if all(r.ok for _, _, results in measured for r in results) else 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    label: str
+    frontends: int  # attached frontends the load is spread over (0: the owner takes it)
+    postprocess_workers: int
+
+
+def _describe(frontends: int, workers: int) -> str:
+    where = f"{frontends} attached frontends" if frontends else "the owner"
+    return f"{where}, {workers} postprocess workers"
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -108,6 +175,14 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--request-rate must be > 0, got {args.request_rate}"
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         return f"{args.model} is not a model directory (no config.json)"
+    for flag, value in (
+        ("--frontends", args.frontends),
+        ("--num-postprocess-workers", args.num_postprocess_workers),
+    ):
+        if value < 0:
+            return f"{flag} must be >= 0, got {value}"
+        if value and args.base_url:
+            return f"{flag} starts servers of its own: it cannot measure --base-url"
     return None
 
 
@@ -115,18 +190,56 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 
 @contextmanager
-def _server(args: argparse.Namespace) -> Iterator[str]:
-    """The server's base URL: `--base-url`, or a `berth serve` started here (stopped on exit)."""
+def _servers(args: argparse.Namespace, shape: Shape) -> Iterator[list[str]]:
+    """The base URLs the load goes to: `--base-url`, or the servers of `shape` started here (an
+    owner, and its attached frontends), stopped on exit (frontends first)."""
     if args.base_url:
-        yield args.base_url.rstrip("/")
+        yield [args.base_url.rstrip("/")]
         return
-    command = [
+    owner = [
         sys.executable, "-m", "berth", "serve", args.model, "--host", "127.0.0.1", "--port", "0",
         "--max-batch-size", str(args.batch_size), "--max-num-tokens", str(args.max_num_tokens),
-        "--log-level", "warning",
+        "--dtype", args.dtype, "--log-level", "warning",
     ]  # fmt: skip
+    if shape.postprocess_workers:
+        owner += ["--num-postprocess-workers", str(shape.postprocess_workers)]
+    if shape.frontends:
+        owner += ["--attach-port", "0"]
+    env = dict(os.environ, BERTH_ENGINE_KEY=secrets.token_hex(32))  # this run's engine key
+    with ExitStack() as stack:
+        name = f"berth serve ({shape.label}, max batch size {args.batch_size}, dtype {args.dtype})"
+        lines = stack.enter_context(_server_process(owner, env, name))
+        url = _announced(lines, LISTENING)
+        if not shape.frontends:
+            yield [url]
+            return
+        attach = _announced(lines, ATTACH_AT)
+        frontend = [
+            sys.executable, "-m", "berth", "serve", "--attach", attach, "--host", "127.0.0.1", "--port", "0",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        urls = []
+        for i in range(shape.frontends):
+            urls.append(
+                _announced(stack.enter_context(_server_process(frontend, env, f"frontend {i}")), LISTENING)
+            )
+        yield urls
+
+
+def _announced(lines: list[str], prefix: str) -> str:
+    return next(line[len(prefix) :].strip() for line in lines if line.startswith(prefix))
+
+
+@contextmanager
+def _server_process(command: list[str], env: dict[str, str], name: str) -> Iterator[list[str]]:
+    """A `berth serve` process, once it listens: its output lines so far (stopped on exit)."""
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
     )
     lines: list[str] = []
     listening = threading.Event()
@@ -141,13 +254,10 @@ def _server(args: argparse.Namespace) -> Iterator[str]:
     threading.Thread(target=read, daemon=True).start()
     try:
         listening.wait(180)
-        url = next((line[len(LISTENING) :].strip() for line in lines if line.startswith(LISTENING)), None)
-        if url is None:
-            raise RuntimeError("`berth serve` did not start:\n" + "".join(lines))
-        print(
-            f"server: berth serve (pid {process.pid}) at {url}, max batch size {args.batch_size}", flush=True
-        )
-        yield url
+        if not any(line.startswith(LISTENING) for line in lines):
+            raise RuntimeError(f"{name} did not start:\n" + "".join(lines))
+        print(f"server: {name} (pid {process.pid}) at {_announced(lines, LISTENING)}", flush=True)
+        yield lines
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -162,20 +272,29 @@ def _server(args: argparse.Namespace) -> Iterator[str]:
 
 
 async def _benchmark(
-    args: argparse.Namespace, base_url: str, api_key: str | None, workload: list[WorkItem]
+    args: argparse.Namespace, base_urls: list[str], api_key: str | None, workload: list[WorkItem]
 ) -> tuple[float, list[RequestResult]]:
+    """The workload, request i to server i % len(base_urls)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, limits=limits, timeout=timeout
-    ) as client:
-        model = await _model_name(client)
-        # Warm-up: first-call costs are not speed.
+    async with AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout)
+            )
+            for url in base_urls
+        ]
+        model = await _model_name(clients[0])
+        # Warm-up, on every server: first-call costs are not speed.
         warm = await asyncio.gather(
-            *(_one(client, model, WorkItem(item.prompt_token_ids[:8], 4)) for item in workload[:4])
+            *(
+                _one(client, model, WorkItem(item.prompt_token_ids[:8], 4))
+                for client in clients
+                for item in workload[:4]
+            )
         )
         failed = [r.error for r in warm if not r.ok]
         if failed:
@@ -184,18 +303,41 @@ async def _benchmark(
         gate = asyncio.Semaphore(args.max_concurrency or len(workload))
         rng = random.Random(args.seed)
 
-        async def limited(item: WorkItem) -> RequestResult:
+        async def limited(client, item: WorkItem) -> RequestResult:
             async with gate:
                 return await _one(client, model, item)
 
         started = time.perf_counter()
         tasks = []
-        for item in workload:
-            tasks.append(asyncio.create_task(limited(item)))
+        for index, item in enumerate(workload):
+            tasks.append(asyncio.create_task(limited(clients[index % len(clients)], item)))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         return time.perf_counter() - started, results
+
+
+async def _keepalive_latency(base_url: str) -> dict[str, float]:
+    """Median seconds of `GET /live`: on one kept-alive connection, and on a new one each time."""
+    import httpx
+
+    async def median_of(client_for_each) -> float:
+        seconds = []
+        for _ in range(KEEPALIVE_PROBES):
+            client = client_for_each()
+            started = time.perf_counter()
+            response = await client.get("/live")
+            seconds.append(time.perf_counter() - started)
+            response.raise_for_status()
+            if client is not reused:
+                await client.aclose()
+        return _percentiles(seconds)["Median"]
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as reused:
+        await reused.get("/live")  # the connection is open from here on
+        kept = await median_of(lambda: reused)
+        fresh = await median_of(lambda: httpx.AsyncClient(base_url=base_url, timeout=30))
+    return {"reused": kept, "fresh": fresh}
 
 
 async def _model_name(client) -> str:
@@ -262,6 +404,7 @@ def _offline_tokens_per_s(args: argparse.Namespace, workload: list[WorkItem]) ->
         executor=args.offline_executor,
         max_batch_size=args.batch_size,
         max_num_tokens=args.max_num_tokens,
+        dtype=args.dtype,
     ) as llm:
         seconds = run_berth(llm, workload, SamplingParams)
     return sum(item.output_len for item in workload) / seconds
@@ -290,6 +433,8 @@ def _report(
     duration: float,
     results: list[RequestResult],
     offline_tokens_per_s: float | None,
+    *,
+    title: str | None = None,
 ) -> None:
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
@@ -304,7 +449,7 @@ def _report(
     def section(title: str) -> None:
         print(f"{title:-^52}")
 
-    section(" Serving Benchmark Result ")
+    section(f" Serving Benchmark Result{f': {title}' if title else ''} ")
     line("Successful requests:", len(ok))
     line("Failed requests:", len(failed))
     line("Maximum request concurrency:", args.max_concurrency or "unlimited")
@@ -315,7 +460,7 @@ def _report(
     line("Request throughput (req/s):", len(ok) / duration)
     line("Output token throughput (tok/s):", output_throughput)
     line("Total token throughput (tok/s):", (input_tokens + output_tokens) / duration)
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpots = _tpots(ok)
     for title, short, values in (
         ("Time to First Token", "TTFT", [r.ttft for r in ok]),
         ("Time per Output Token (excl. 1st token)", "TPOT", tpots),
@@ -332,3 +477,61 @@ def _report(
     print("-" * 52)
     for r in failed[:5]:
         print(f"failed request: {r.error}")
+
+
+def _report_shapes(measured: list[tuple[Shape, float, list[RequestResult]]]) -> None:
+    """The multi-process shape against the single-process server, measured in the same run."""
+    (_, base_duration, base), (shape, duration, results) = measured
+
+    def throughput(seconds: float, rs: list[RequestResult]) -> float:
+        return sum(r.output_tokens for r in rs if r.ok) / seconds
+
+    def median_ttft(rs: list[RequestResult]) -> float:
+        return _percentiles([r.ttft for r in rs if r.ok])["Median"]
+
+    print(f"{f' {shape.label} vs single-process server ':-^52}")
+    ratio = throughput(duration, results) / throughput(base_duration, base)
+    print(f"{'Output throughput ratio (shape / single):':<44}{ratio:>8.2f}")
+    print(f"{'Median TTFT ratio (shape / single):':<44}{median_ttft(results) / median_ttft(base):>8.2f}")
+    print("-" * 52)
+
+
+def _report_keepalive(medians: dict[str, float]) -> None:
+    print(f"{' Keep-alive request latency (GET /live) ':-^52}")
+    print(f"{'Median, reused connection (ms):':<40}{1000 * medians['reused']:>12.2f}")
+    print(f"{'Median, new connection (ms):':<40}{1000 * medians['fresh']:>12.2f}")
+    print("-" * 52)
+
+
+def _tpots(results: list[RequestResult]) -> list[float]:
+    return [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.ok and r.output_tokens > 1]
+
+
+def _plot(args: argparse.Namespace, results: list[RequestResult]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (ttft_axes, tpot_axes) = plt.subplots(1, 2, figsize=(9.6, 3.8), dpi=120)
+    for axes, values, name in (
+        (ttft_axes, [r.ttft for r in results if r.ok], "TTFT"),
+        (tpot_axes, _tpots(results), "TPOT"),
+    ):
+        ordered = sorted(1000 * v for v in values)
+        share = [100 * (i + 1) / len(ordered) for i in range(len(ordered))]
+        axes.plot(ordered, share, drawstyle="steps-post")
+        axes.set_xlabel(f"{name} (ms)")
+        axes.set_ylabel("requests (%)")
+        axes.set_ylim(0, 100)
+        axes.grid(True, alpha=0.3)
+        median = 1000 * _percentiles(values)["Median"]  # the report's figure
+        axes.set_title(f"{name}: median {median:.0f} ms")
+    concurrency = args.max_concurrency or "unlimited"
+    figure.suptitle(
+        f"berth serve {args.model.rstrip('/').split('/')[-1]} ({args.dtype}): {len(results)} requests, "
+        f"concurrency {concurrency}, rate {args.request_rate}"
+    )
+    figure.tight_layout()
+    figure.savefig(args.plot)
+    plt.close(figure)

@@ -1,28 +1,30 @@
-"""The two kinds of failure: one request's, and the engine's."""
+"""The two kinds of failure: one request's (`RequestError`, which crosses the engine's boundary
+and so lives in `engine_io`), and the engine's."""
 
 from __future__ import annotations
 
 import signal
 
+from berth.engine.engine_io import RequestError
 
-class RequestError(RuntimeError):
-    """Fails one request; the engine goes on serving the others.
-
-    `code` says what kind of problem it is, so a server can answer with the right status:
-    "invalid_request" (bad input), "too_long" (can never fit the model or the KV cache),
-    "admission_closed" (the engine is not admitting requests now: sleeping, draining).
-    """
-
-    def __init__(self, message: str, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.code = code
-
-    def __reduce__(self):  # keep `code` across pickling (errors cross process boundaries)
-        return (type(self), (str(self), self.code))
+__all__ = [
+    "EngineDeadError",
+    "EngineUnreachableError",
+    "RemoteTraceback",
+    "RequestError",
+    "WorkerDiedError",
+    "how_it_exited",
+]
 
 
 class EngineDeadError(RuntimeError):
     """The engine has died: no request can complete. Every pending and later request gets this."""
+
+
+class EngineUnreachableError(EngineDeadError):
+    """An attached frontend has lost (or cannot get) the engine it serves: its owner is gone,
+    unreachable, or refuses it. For this frontend the engine is dead until it attaches again,
+    which it keeps trying to by itself."""
 
 
 class WorkerDiedError(RuntimeError):

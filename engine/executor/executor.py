@@ -5,6 +5,11 @@ dispatch thread, and owns the failure semantics: a `RequestError` fails one requ
 error is recorded once (the first wins), marks the engine dead, wakes every pending result
 with `EngineDeadError` at once and refuses every later submit. Subclasses decide where the
 engine runs (this process, or a worker process) and how messages get there.
+
+Sleep and wakeup go the same way as requests: registered before they are sent, sent on the
+same ordered queue, answered by a `TransitionResult` routed in the order the engine produced
+it (after the responses of the requests a sleep ended), and failed with `EngineDeadError` if
+the engine dies first.
 """
 
 from __future__ import annotations
@@ -13,16 +18,37 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import socket
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Callable
 
+from berth.engine.engine_io import (
+    DEFAULT_DRAIN_TIMEOUT,
+    Control,
+    EngineLimits,
+    EngineStats,
+    GenerationRequest,
+    ModelRevision,
+    Response,
+    Sleep,
+    TransitionResult,
+    Wakeup,
+)
 from berth.engine.executor.errors import EngineDeadError
-from berth.engine.executor.request import GenerationRequest
-from berth.engine.executor.response import Response
+from berth.engine.executor.messages import frontend_of, namespaced_request_id
+from berth.engine.executor.postprocess import SequenceUpdate
 from berth.engine.executor.result import GenerationResult
 
 logger = logging.getLogger(__name__)
+
+# How long releasing or restoring memory may take after a sleep's drain (a big model's reload
+# from a slow disk); past it the caller gets a TimeoutError, the engine goes on.
+TRANSITION_TIMEOUT = 900.0
+
+# Another frontend's responses, by frontend id, with the stats of the step they came from.
+ForeignSink = Callable[[dict[int, list[Response | SequenceUpdate]], EngineStats], None]
 
 
 class GenerationExecutor(ABC):
@@ -30,11 +56,21 @@ class GenerationExecutor(ABC):
         self.tokenizer = tokenizer
         self._results: dict[int, GenerationResult] = {}
         self._results_lock = threading.Lock()
-        self._client_ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
+        self._transitions: dict[int, _PendingTransition] = {}  # under _results_lock too
+        self._transition_ids = itertools.count(1)
+        # This process's namespace of request ids: 0 for the engine's owner, its own id for an
+        # attached frontend. Responses in another namespace go to `foreign_sink`.
+        self.frontend_id = 0
+        self.foreign_sink: ForeignSink | None = None
         self._fatal_lock = threading.Lock()
         self._fatal_error: BaseException | None = None
-        self._closed = False
-        self.stats = None  # the engine's latest EngineStats, updated with every step
+        self._closed = False  # set when shutdown starts: admission stops there
+        self._shutdown_lock = threading.Lock()
+        # What the engine runs and can serve, as it said once when it started (set by the subclass).
+        self.config = None  # EngineConfig
+        self.limits: EngineLimits | None = None
+        self._stats: EngineStats | None = None  # the engine's latest, updated with every step
 
     # ---- what subclasses provide --------------------------------------------------------------
 
@@ -42,7 +78,11 @@ class GenerationExecutor(ABC):
     def _send_request(self, request: GenerationRequest) -> None: ...
 
     @abstractmethod
-    def _send_abort(self, client_id: int, seq_index: int | None) -> None: ...
+    def _send_abort(self, request_id: int, seq_index: int | None) -> None: ...
+
+    @abstractmethod
+    def _send_control(self, control: Control) -> None:
+        """Sends a sleep or wakeup; may refuse it at once (TransitionError)."""
 
     @abstractmethod
     def shutdown(self) -> None: ...
@@ -53,9 +93,13 @@ class GenerationExecutor(ABC):
         """The process id of the process that runs the engine (rank 0 of the world)."""
 
     @property
+    def ranks(self) -> tuple[tuple[int, int, str], ...]:
+        """(rank, pid, host) of every process of the engine's world."""
+        return ((0, self.engine_pid, socket.gethostname()),)
+
     @abstractmethod
-    def admission_state(self) -> str:
-        """The engine's admission state: "running", "parking", "parked", "waking" or "failed"."""
+    def _engine_admission_state(self) -> str:
+        """The live engine's admission state: "running", "parking", "parked" or "waking"."""
 
     def _check_workers(self) -> None:  # noqa: B027 (optional: only shapes with workers poll them)
         """Notices a dead worker without blocking (the polling backstop); may call `_set_fatal`."""
@@ -70,66 +114,182 @@ class GenerationExecutor(ABC):
     def fatal_error(self) -> BaseException | None:
         return self._fatal_error
 
-    def submit(self, request: GenerationRequest, *, prompt: str | None = None) -> GenerationResult:
-        self._raise_if_dead()
+    @property
+    def is_closed(self) -> bool:
+        """True once shutdown has started (admission stops there)."""
+        return self._closed
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The engine's latest stats (None before its first report). A dead engine holds
+        nothing: it reports no running or waiting request and no block in use."""
+        if self.is_dead:
+            return EngineStats.of_dead_engine(self.limits.num_kv_blocks if self.limits else 0)
+        return self._stats
+
+    @property
+    def model_revision(self) -> ModelRevision | None:
+        """The weights the engine serves (or served, once dead), as it last reported them."""
+        return self._stats.model_revision if self._stats is not None else None
+
+    @property
+    def admission_state(self) -> str:
+        """ "failed" once the engine is dead, "shutdown" once shutdown has started, else the
+        engine's own state."""
+        if self.is_dead:
+            return "failed"
         if self._closed:
-            raise RuntimeError("the executor has been shut down")
-        request.client_id = next(self._client_ids)
+            return "shutdown"
+        return self._engine_admission_state()
+
+    def submit(self, request: GenerationRequest, *, prompt: str | None = None) -> GenerationResult:
+        self._raise_if_closed()
+        request.request_id = self._next_request_id()
         result = GenerationResult(request, tokenizer=self.tokenizer, prompt=prompt, abort=self.abort)
         # Register before sending, so a response that comes back at once always has a home.
         with self._results_lock:
-            self._results[request.client_id] = result
+            self._results[request.request_id] = result
         try:
-            # The engine may have died since the first check; the death sweep may have missed us.
-            self._raise_if_dead()
+            # Checked again: a death or a shutdown since the first check fails everything it
+            # finds registered, and may have missed this one.
+            self._raise_if_closed()
             self._send_request(request)
         except BaseException:
             with self._results_lock:
-                self._results.pop(request.client_id, None)
+                self._results.pop(request.request_id, None)
             raise
         return result
 
-    def abort(self, client_id: int, seq_index: int | None = None) -> None:
+    def forward(self, request: GenerationRequest) -> None:
+        """Sends a request another frontend submitted and keeps the result of (its id says
+        which): its responses go to `foreign_sink`. Raises as `submit` does."""
+        self._raise_if_closed()
+        self._send_request(request)
+
+    def _next_request_id(self) -> int:
+        return namespaced_request_id(self.frontend_id, next(self._request_ids))
+
+    def abort(self, request_id: int, seq_index: int | None = None) -> None:
         if not self.is_dead and not self._closed:
-            self._send_abort(client_id, seq_index)
+            self._send_abort(request_id, seq_index)
+
+    # ---- sleep and wakeup --------------------------------------------------------------------
+
+    def sleep(
+        self, level: int = 1, mode: str = "drain", timeout: float = DEFAULT_DRAIN_TIMEOUT
+    ) -> TransitionResult:
+        """Puts the engine to sleep and returns once it is PARKED (see `Sleep`). Raises
+        ValueError for a bad parameter, TransitionError("conflict") when the engine is not
+        RUNNING, EngineDeadError if it dies on the way."""
+        control = Sleep(level, mode, timeout, next(self._transition_ids))
+        control.validate()
+        return self._transition(control, timeout + TRANSITION_TIMEOUT)
+
+    def wake_up(self, model: str | None = None) -> TransitionResult:
+        """Wakes the engine (optionally with another revision of its model, see `Wakeup`) and
+        returns once it is RUNNING. Raises TransitionError("conflict") when it is not PARKED,
+        TransitionError("invalid_model") for a model it cannot serve (it stays PARKED)."""
+        control = Wakeup(model, next(self._transition_ids))
+        control.validate()
+        return self._transition(control, TRANSITION_TIMEOUT)
+
+    def _transition(self, control: Control, timeout: float) -> TransitionResult:
+        self._raise_if_closed()
+        pending = _PendingTransition()
+        with self._results_lock:  # registered before it is sent, like a request's result
+            self._transitions[control.transition_id] = pending
+        try:
+            self._raise_if_closed()
+            self._send_control(control)
+            result = pending.wait(timeout)
+        finally:
+            with self._results_lock:
+                self._transitions.pop(control.transition_id, None)
+        if result is None:
+            raise TimeoutError(f"the engine did not finish the {control.kind} within {timeout:.0f} s")
+        if result.error is not None:
+            raise result.error
+        return result
+
+    def _finish_transition(self, result: TransitionResult) -> None:
+        if result.stats is not None:
+            self._take_stats(result.stats)
+        with self._results_lock:
+            pending = self._transitions.get(result.transition_id)
+        if pending is not None:
+            pending.finish(result)
 
     def check_health(self) -> bool:
-        """True while the engine lives. Never blocks and never starts a shutdown."""
-        if not self.is_dead:
-            self._check_workers()
+        """True while the engine lives and is not shutting down. Never blocks and never starts a
+        shutdown."""
+        if self._closed or self.is_dead:
+            return False
+        self._check_workers()
         return not self.is_dead
 
     @property
     def num_pending(self) -> int:
         return len(self._results)
 
-    def _raise_if_dead(self) -> None:
+    def _raise_if_closed(self) -> None:
         if self._fatal_error is not None:
             raise EngineDeadError(f"the engine is dead: {self._fatal_error}") from self._fatal_error
+        if self._closed:
+            raise EngineDeadError("the executor has been shut down")
 
     # ---- the engine's side --------------------------------------------------------------------
 
-    def _dispatch(self, batches: list[tuple[list[Response], object]]) -> None:
-        """Routes responses to their results; wakes each asyncio loop once for the whole lot."""
+    def _deliver(
+        self, items: list[tuple[list[Response | SequenceUpdate], EngineStats] | TransitionResult]
+    ) -> None:
+        """The engine's output in the order it produced it: step batches (dispatched together)
+        up to each transition result, then that result."""
+        batches: list[tuple[list[Response | SequenceUpdate], EngineStats]] = []
+        for item in items:
+            if isinstance(item, TransitionResult):
+                if batches:
+                    self._dispatch(batches)
+                    batches = []
+                self._finish_transition(item)
+            else:
+                batches.append(item)
+        if batches:
+            self._dispatch(batches)
+
+    def _dispatch(self, batches: list[tuple[list[Response | SequenceUpdate], EngineStats]]) -> None:
+        """Routes responses (raw, or postprocessed by a postprocess worker) to their results, and
+        other frontends' to `foreign_sink`; wakes each asyncio loop once for the whole lot."""
         to_wake: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = defaultdict(list)
         for responses, stats in batches:
-            self.stats = stats
-            by_client: dict[int, list[Response]] = defaultdict(list)
+            self._take_stats(stats)
+            by_request: dict[int, list[Response | SequenceUpdate]] = defaultdict(list)
+            foreign: dict[int, list[Response | SequenceUpdate]] = defaultdict(list)
             for response in responses:
-                by_client[response.client_id].append(response)
-            for client_id, mine in by_client.items():
-                result = self._results.get(client_id)
+                frontend = frontend_of(response.request_id)
+                if frontend == self.frontend_id:
+                    by_request[response.request_id].append(response)
+                else:
+                    foreign[frontend].append(response)
+            if foreign and self.foreign_sink is not None:
+                self.foreign_sink(foreign, stats)
+            for request_id, mine in by_request.items():
+                result = self._results.get(request_id)
                 if result is None:
                     continue  # a late response for a finished or unknown request: nobody waits for it
-                for seq_index in result._handle(mine):
-                    self.abort(client_id, seq_index)  # a stop string ended it client-side
+                for seq_index in result._handle(mine, stats.timestamp):
+                    self.abort(request_id, seq_index)  # a stop string ended it client-side
                 if result.finished:
                     with self._results_lock:
-                        self._results.pop(client_id, None)
-                waiter = result._take_waiter()
-                if waiter is not None:
-                    to_wake[waiter[0]].append(waiter[1])
+                        self._results.pop(request_id, None)
+                for loop, future in result._take_waiters():
+                    to_wake[loop].append(future)
         _wake(to_wake)
+
+    def _take_stats(self, stats: EngineStats) -> None:
+        # Postprocess workers' lanes and heartbeats carry stats too, each in its own order: the
+        # latest snapshot wins, whichever way it came.
+        if self._stats is None or stats.timestamp >= self._stats.timestamp:
+            self._stats = stats
 
     def _set_fatal(self, error: BaseException) -> None:
         """Records the first fatal error and fails everything pending with EngineDeadError."""
@@ -144,13 +304,40 @@ class GenerationExecutor(ABC):
         with self._results_lock:
             pending = list(self._results.values())
             self._results.clear()
+            transitions = list(self._transitions.values())
+        for transition in transitions:
+            transition.fail(error)
         to_wake: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = defaultdict(list)
         for result in pending:
             result._fail(error)
-            waiter = result._take_waiter()
-            if waiter is not None:
-                to_wake[waiter[0]].append(waiter[1])
+            for loop, future in result._take_waiters():
+                to_wake[loop].append(future)
         _wake(to_wake)
+
+
+class _PendingTransition:
+    """A sleep or wakeup sent to the engine and not answered yet."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: TransitionResult | None = None
+        self._error: BaseException | None = None
+
+    def finish(self, result: TransitionResult) -> None:
+        self._result = result
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout: float) -> TransitionResult | None:
+        """The result; None after `timeout`; raises the error that failed it."""
+        if not self._done.wait(timeout):
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def _wake(to_wake: dict[asyncio.AbstractEventLoop, list[asyncio.Future]]) -> None:

@@ -6,15 +6,18 @@ from the caller and streams better under load.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 
 from berth.engine.config import EngineConfig
+from berth.engine.engine_io import AbortRequest, Control, GenerationRequest
 from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.executor import GenerationExecutor
-from berth.engine.executor.request import GenerationRequest
 from berth.engine.pyexecutor.py_executor import PyExecutor
+
+logger = logging.getLogger(__name__)
 
 # A live engine may need long to release a big model; a dead one is not waited for long.
 LIVE_SHUTDOWN_TIMEOUT = 180.0
@@ -24,40 +27,56 @@ DEAD_SHUTDOWN_TIMEOUT = 5.0
 class InProcessExecutor(GenerationExecutor):
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         super().__init__(tokenizer)
+        self.config = config
         self.engine = PyExecutor.launch(config)
+        self.limits, self._stats = self.engine.limits, self.engine.stats()  # as READY says them
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="berth-dispatch", daemon=True)
         self._dispatcher.start()
-        self.engine.start(on_responses=lambda r, s: self._batches.put((r, s)), on_fatal=self._set_fatal)
+        # Step batches and transition results share one queue: they are routed in the order
+        # the engine produced them.
+        self.engine.start(
+            on_responses=lambda r, s: self._batches.put((r, s)),
+            on_fatal=self._set_fatal,
+            on_transition=self._batches.put,
+        )
 
     def _dispatch_loop(self) -> None:
-        while True:
-            batches = [self._batches.get()]
-            while not self._batches.empty():
-                batches.append(self._batches.get_nowait())
-            stop = None in batches
-            self._dispatch([b for b in batches if b is not None])
-            if stop:
-                return
+        try:
+            while True:
+                items = [self._batches.get()]
+                while not self._batches.empty():
+                    items.append(self._batches.get_nowait())
+                stop = None in items
+                self._deliver([item for item in items if item is not None])
+                if stop:
+                    return
+        except BaseException as error:  # nobody would route results any more: the engine is dead
+            logger.exception("the dispatch thread failed")
+            self._set_fatal(error)
+            self.engine.request_queue.enqueue_shutdown()  # and it stops, instead of computing for nobody
 
     @property
     def engine_pid(self) -> int:
         return os.getpid()
 
-    @property
-    def admission_state(self) -> str:
+    def _engine_admission_state(self) -> str:
         return self.engine.request_queue.admission_state.value
 
     def _send_request(self, request: GenerationRequest) -> None:
         self.engine.request_queue.enqueue_request(request)
 
-    def _send_abort(self, client_id: int, seq_index: int | None) -> None:
-        self.engine.request_queue.enqueue_abort(client_id, seq_index)
+    def _send_abort(self, request_id: int, seq_index: int | None) -> None:
+        self.engine.request_queue.enqueue_abort(AbortRequest(request_id, seq_index))
+
+    def _send_control(self, control: Control) -> None:
+        self.engine.request_queue.enqueue_control(control)  # a conflict raises here, at once
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True  # admission stops here: submit() refuses from now on
         if not self.is_dead:
             self.engine.request_queue.enqueue_shutdown()  # the loop aborts what is in flight, then exits
         if not self.engine.join(DEAD_SHUTDOWN_TIMEOUT if self.is_dead else LIVE_SHUTDOWN_TIMEOUT):

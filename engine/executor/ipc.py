@@ -15,6 +15,7 @@ import os
 import pickle
 import secrets
 import tempfile
+import threading
 from pathlib import Path
 
 import zmq
@@ -24,21 +25,32 @@ logger = logging.getLogger(__name__)
 KEY_ENV = "BERTH_ENGINE_KEY"  # hex; how a worker started by someone else (mpirun) gets the key
 KEY_BYTES = 32
 
-# The three queues (their names are part of every signature).
+# The queues (their names are part of every signature).
 REQUESTS = b"requests"  # proxy -> rank 0: requests, aborts, control messages, in order
 RESULTS = b"results"  # rank 0 -> proxy: one message per engine step
 INIT_STATUS = b"init-status"  # worker <-> proxy: identity, config, READY / failure, ACK
+ATTACH = b"attach"  # frontend <-> the engine's owner: requests and aborts in, results and news out
+LANE = b"lane"  # rank 0 -> a postprocess worker: the raw responses of the requests it holds
 
 
 def new_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
+def engine_key() -> bytes:
+    """The deployment's key when BERTH_ENGINE_KEY is set (every process of a world and its
+    frontends share it), else a fresh one that only this engine's processes will know."""
+    return key_from_env() if os.environ.get(KEY_ENV) else new_key()
+
+
 def key_from_env() -> bytes:
     value = os.environ.get(KEY_ENV)
     if not value:
         raise RuntimeError(f"{KEY_ENV} is not set: the worker needs the engine's key (hex)")
-    key = bytes.fromhex(value)
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        raise RuntimeError(f"{KEY_ENV} must be hexadecimal ({2 * KEY_BYTES} hex digits)") from None
     if len(key) != KEY_BYTES:
         raise RuntimeError(f"{KEY_ENV} must hold {KEY_BYTES} bytes ({2 * KEY_BYTES} hex digits)")
     return key
@@ -58,6 +70,13 @@ def ipc_addresses(directory: str | Path | None = None) -> tuple[dict[str, str], 
 def tcp_addresses(host: str = "127.0.0.1") -> dict[str, str]:
     """Addresses for processes on different hosts; `*` lets the binding side pick a free port."""
     return {name: f"tcp://{host}:*" for name in ("requests", "results", "init_status")}
+
+
+def reachable(address: str, host: str) -> str:
+    """A bound address as a peer must dial it: `tcp://0.0.0.0:P` (every interface) becomes
+    `tcp://HOST:P`; any other address is already one."""
+    prefix = "tcp://0.0.0.0:"
+    return f"tcp://{host}:{address.removeprefix(prefix)}" if address.startswith(prefix) else address
 
 
 class SignedSocket:
@@ -81,11 +100,17 @@ class SignedSocket:
         return hmac.new(self._key, self._queue + payload, hashlib.sha256).digest()
 
     def send(self, message: object, *, routing_id: bytes | None = None, flags: int = 0) -> None:
+        self.send_frames(self.sign(message), routing_id=routing_id, flags=flags)
+
+    def sign(self, message: object) -> list[bytes]:
+        """The two frames of `message`, to send later (from the thread that owns the socket)."""
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        frames = [self._tag(payload), payload]
+        return [self._tag(payload), payload]
+
+    def send_frames(self, frames: list[bytes], *, routing_id: bytes | None = None, flags: int = 0) -> None:
         if routing_id is not None:
-            frames.insert(0, routing_id)
-        self.socket.send_multipart(frames, flags=flags, copy=len(payload) < 64 << 10)
+            frames = [routing_id, *frames]
+        self.socket.send_multipart(frames, flags=flags, copy=len(frames[-1]) < 64 << 10)
 
     def recv(self, timeout_ms: int | None = None, *, with_routing_id: bool = False):
         """The next authentic message, or None when `timeout_ms` passes without one.
@@ -96,8 +121,8 @@ class SignedSocket:
         while self.socket.poll(timeout_ms):
             frames = self.socket.recv_multipart()
             routing_id = frames.pop(0) if with_routing_id and frames else None
-            message = self._verify(frames)
-            if message is not _DROPPED:
+            message = self.verify(frames)
+            if message is not DROPPED:
                 return (routing_id, message) if with_routing_id else message
         return None
 
@@ -109,32 +134,44 @@ class SignedSocket:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
-            message = self._verify(frames)
-            if message is not _DROPPED:
+            message = self.verify(frames)
+            if message is not DROPPED:
                 messages.append(message)
 
-    def _verify(self, frames: list[bytes]) -> object:
+    def verify(self, frames: list[bytes], origin: str | None = None) -> object:
+        """The message two frames carry, or DROPPED (logged, naming `origin` when known) if they
+        are not authentic."""
         if len(frames) != 2:
-            return self._drop(f"{len(frames)} frames instead of 2 (no signature?)")
+            return self._drop(f"{len(frames)} frames instead of 2 (no signature?)", origin)
         tag, payload = frames
         if not hmac.compare_digest(tag, self._tag(payload)):
-            return self._drop("bad signature")
+            return self._drop("bad signature", origin)
         return pickle.loads(payload)
 
-    def _drop(self, why: str) -> object:
+    def _drop(self, why: str, origin: str | None = None) -> object:
         self.num_dropped += 1
-        logger.warning("dropped a message on the %s queue: %s (not unpickled)", self._queue.decode(), why)
-        return _DROPPED
+        source = f" from {origin}" if origin else ""
+        logger.warning(
+            "dropped a message%s on the %s queue: %s (not unpickled)", source, self._queue.decode(), why
+        )
+        return DROPPED
 
     def close(self, linger_ms: int = 0) -> None:
         self.socket.close(linger=linger_ms)
 
 
-_DROPPED = object()
+DROPPED = object()  # what `verify` returns for a message that is not authentic
 
 
 def open_socket(
-    context: zmq.Context, kind: int, address: str, key: bytes, queue: bytes, *, bind: bool
+    context: zmq.Context,
+    kind: int,
+    address: str,
+    key: bytes,
+    queue: bytes,
+    *,
+    bind: bool,
+    options: dict[int, int] | None = None,
 ) -> SignedSocket:
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
@@ -142,8 +179,56 @@ def open_socket(
     # the engine's own admission bounds how much can be in flight.
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
+    for option, value in (options or {}).items():
+        socket.setsockopt(option, value)
     if bind:
         socket.bind(address)
     else:
         socket.connect(address)
     return SignedSocket(socket, key, queue)
+
+
+class Outbox:
+    """Frames other threads hand to the one thread that owns a socket (ZeroMQ sockets are not
+    thread-safe): they `post`, it polls `reader` and `take`s. A message is signed (`sign`) by
+    the thread that posts it, so the owning thread only moves bytes."""
+
+    _STOP = b""  # a one-frame message, never a signed one (those are two frames)
+
+    def __init__(self, context: zmq.Context) -> None:
+        address = f"inproc://berth-outbox-{id(self)}"
+        self.reader = context.socket(zmq.PULL)
+        self.reader.bind(address)
+        self._writer = context.socket(zmq.PUSH)
+        self._writer.connect(address)
+        self._lock = threading.Lock()
+
+    def post(self, frames: list[bytes]) -> bool:
+        """False once closed (nobody would send it)."""
+        with self._lock:
+            if self._writer.closed:
+                return False
+            self._writer.send_multipart(frames)
+            return True
+
+    def post_stop(self) -> None:
+        """Tells the owning thread to stop, after what was posted before."""
+        self.post([self._STOP])
+
+    @classmethod
+    def is_stop(cls, frames: list[bytes]) -> bool:
+        return frames == [cls._STOP]
+
+    def take(self) -> list[list[bytes]]:
+        """Everything posted so far, in order, without blocking (owning thread only)."""
+        taken = []
+        while True:
+            try:
+                taken.append(self.reader.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return taken
+
+    def close(self) -> None:
+        with self._lock:
+            self._writer.close(linger=0)
+        self.reader.close(linger=0)

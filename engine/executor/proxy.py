@@ -4,23 +4,40 @@ The caller's process keeps the Python-heavy client work (tokenizing, detokenizin
 an HTTP server); the worker runs the engine loop undisturbed by it. They talk over three
 signed ZeroMQ queues (see `ipc.py`, `messages.py`, `worker.py`):
 
-    requests     proxy -> worker   requests, aborts, the shutdown sentinel, in one order
-    results      worker -> proxy   one message per engine step, with the engine's stats
+    requests     proxy -> worker   requests, aborts, sleep / wakeup, the shutdown sentinel, in
+                                   one order
+    results      worker -> proxy   one message per engine step, with the engine's stats, and
+                                   the result of each sleep / wakeup
     init status  worker <-> proxy  identity, config, READY or the failure, ACK
 
 Death of the worker is noticed twice over: a watcher thread waits on the process (the event)
 and the dispatch thread checks the worker's pid every few seconds (the backstop).
+
+With `num_postprocess_workers` N > 0 the proxy also starts N postprocess worker processes
+(`postprocess_worker.py`) before the worker: the worker sends each one its share of the
+responses (request_id % N), and they send the results on, detokenized, to the result queue.
+A sleep's or wakeup's result goes down every lane and is delivered with its last copy, behind
+every response the engine sent before it. The death of any of them ends the world as the
+worker's own death does.
+
+With tensor parallelism the worker is an MPI world (`world.py`): the process the proxy starts
+and watches is mpiexec, rank 0 is the only rank that talks to the proxy, and it names every
+rank's process before the model load, so the backstop watches them all.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ipaddress
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,21 +45,22 @@ from pathlib import Path
 import zmq
 
 from berth.engine.config import EngineConfig
+from berth.engine.engine_io import AbortRequest, Control, GenerationRequest, Shutdown, TransitionResult
 from berth.engine.executor import ipc
 from berth.engine.executor.errors import EngineDeadError, RemoteTraceback, WorkerDiedError, how_it_exited
 from berth.engine.executor.executor import GenerationExecutor
 from berth.engine.executor.messages import (
-    AbortRequest,
     Ack,
     InitFailed,
-    ShutdownWorker,
     StepResults,
     WorkerClosed,
     WorkerFatal,
     WorkerIdentity,
     WorkerReady,
+    WorkerSetup,
 )
-from berth.engine.executor.request import GenerationRequest
+from berth.engine.executor.postprocess_worker import PostprocessWorkers
+from berth.engine.executor.world import LocalWorker, MpiWorld, OutputTail, World, popen
 
 logger = logging.getLogger(__name__)
 
@@ -56,45 +74,84 @@ LAST_WORDS_SECONDS = 2.0  # how long a dead worker's last messages (its root cau
 
 
 class ProxyExecutor(GenerationExecutor):
+    """`world`: how the worker world starts (default: one worker process, or with
+    `config.tensor_parallel_size` N > 1 an MPI world of N ranks on this machine). The queues are
+    Unix sockets for a world on this machine, TCP for one on other hosts (the default
+    `transport`)."""
+
     def __init__(
         self,
         config: EngineConfig,
         tokenizer,
         *,
-        transport: str = "ipc",
+        transport: str | None = None,
         init_timeout: float = WORKER_INIT_TIMEOUT,
+        num_postprocess_workers: int = 0,
+        world: World | None = None,
     ) -> None:
         super().__init__(tokenizer)
+        self.config = config
+        self.world = world or default_world(config)
+        if self.world.size != config.tensor_parallel_size:
+            raise ValueError(
+                f"a world of {self.world.size} ranks for tensor_parallel_size {config.tensor_parallel_size}"
+            )
+        transport = transport or ("ipc" if self.world.is_local else "tcp")
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-        self._key = ipc.new_key()
+        if not isinstance(num_postprocess_workers, int) or num_postprocess_workers < 0:
+            raise ValueError(
+                f"num_postprocess_workers must be an integer >= 0, got {num_postprocess_workers!r}"
+            )
+        self.key = ipc.engine_key()
         self._context = zmq.Context()
         self._ipc_dir: Path | None = None
+        self._scratch_dirs: list[Path] = []  # removed with the sockets
+        # Where the world reaches this process: only rank 0 connects, from this machine or from
+        # one of the hosts (which reach it by the name mpiexec's hydra calls back to).
+        self._reachable_host = "127.0.0.1"
         if transport == "ipc":
             addresses, self._ipc_dir = ipc.ipc_addresses()
-        else:
+        elif self.world.is_local:
             addresses = ipc.tcp_addresses()
+        else:
+            self._reachable_host = self.world.launcher_host or socket.getfqdn()
+            # A name may resolve to any of this machine's addresses: listen on all of them.
+            addresses = ipc.tcp_addresses(self._reachable_host if _is_ip(self._reachable_host) else "0.0.0.0")
+        self._transport = transport
+        self.num_postprocess_workers = num_postprocess_workers
+        self._postprocess: PostprocessWorkers | None = None
+        # Every lane ends with the worker's last word: the world is done once each has said it.
+        self._lanes_open = max(1, num_postprocess_workers)
+        self._transition_copies: dict[int, int] = {}  # transition id -> lanes that passed it on
         self._init = ipc.open_socket(
-            self._context, zmq.ROUTER, addresses["init_status"], self._key, ipc.INIT_STATUS, bind=True
+            self._context, zmq.ROUTER, addresses["init_status"], self.key, ipc.INIT_STATUS, bind=True
         )
         self._results_socket = ipc.open_socket(
-            self._context, zmq.PULL, addresses["results"], self._key, ipc.RESULTS, bind=True
+            self._context, zmq.PULL, addresses["results"], self.key, ipc.RESULTS, bind=True
         )
         self._requests_socket: ipc.SignedSocket | None = None  # connected once the worker says where
         self._send_lock = threading.Lock()  # client threads and the dispatch thread all send
-        self._shutdown_lock = threading.Lock()
         self._closing = False  # set when shutdown starts: the worker's exit is then expected
         self._worker_gone = threading.Event()  # set by the watcher when the process has exited
         self._last_words_routed = threading.Event()  # set by the dispatcher after its final drain
         self.identities: list[WorkerIdentity] = []
         self._process: subprocess.Popen | None = None
+        self._output: OutputTail | None = None  # an MPI world's output
+        self._output_copier: threading.Thread | None = None
+        self._socket_handoff = threading.Lock()  # who closes the sockets: shutdown or the dispatcher
+        self._dispatcher_done = False
+        self._dispatcher_closes_sockets = False
         self._dispatcher = threading.Thread(
             target=self._dispatch_loop, name="berth-proxy-dispatch", daemon=True
         )
         try:
+            if num_postprocess_workers:  # they load a tokenizer while the worker loads the model
+                self._spawn_postprocess_workers()
             self._process = self._spawn_worker(self._init.address, self._results_socket.address, addresses)
             threading.Thread(target=self._watch_worker, name="berth-worker-watch", daemon=True).start()
-            self._handshake(config, init_timeout)
+            lanes = self._await_postprocess_workers() if num_postprocess_workers else []
+            self._handshake(WorkerSetup(config, tuple(lanes)), init_timeout)
         except BaseException as error:
             self._fail_initialization(error)
         self._dispatcher.start()
@@ -102,39 +159,91 @@ class ProxyExecutor(GenerationExecutor):
 
     # ---- start -------------------------------------------------------------------------------
 
+    def _spawn_postprocess_workers(self) -> None:
+        """Each gets the proxy's own tokenizer (as saved by `save_pretrained`: the very one the
+        proxy would detokenize with) and a lane to listen on."""
+        folder = self._ipc_dir
+        if folder is None:
+            folder = Path(tempfile.mkdtemp(prefix=ipc.IPC_FOLDER_PREFIX))
+            self._scratch_dirs.append(folder)
+        tokenizer_dir = folder / "tokenizer"
+        self.tokenizer.save_pretrained(str(tokenizer_dir))
+        if self._transport == "ipc":
+            lane_address = lambda i: f"ipc://{folder / f'lane-{i}'}"  # noqa: E731
+        else:
+            lane_address = lambda i: "tcp://127.0.0.1:*"  # noqa: E731
+        self._postprocess = PostprocessWorkers(
+            self.num_postprocess_workers,
+            tokenizer_dir=tokenizer_dir,
+            result_address=self._results_socket.address,
+            lane_address=lane_address,
+            key=self.key,
+        )
+
+    def _await_postprocess_workers(self) -> list[str]:
+        """Their lanes, once each listens; from then on, the death of one is the world's."""
+        lanes = self._postprocess.await_ready(self._results_socket)
+        self._postprocess.watch(self._on_postprocess_death)
+        return lanes
+
+    def _on_postprocess_death(self, error: BaseException) -> None:
+        if self._closing:
+            return
+        self._set_fatal(error)
+        self._abandon_world()
+
     def _spawn_worker(self, init_address: str, result_address: str, addresses: dict[str, str]):
         command = [
             sys.executable,
             "-m",
             "berth.engine.executor.worker",
             "--init-address",
-            init_address,
+            ipc.reachable(init_address, self._reachable_host),
             "--result-address",
-            result_address,
+            ipc.reachable(result_address, self._reachable_host),
             "--request-address",
             addresses["requests"],
             "--parent-pid",
             str(os.getpid()),
         ]
-        env = dict(os.environ, **{ipc.KEY_ENV: self._key.hex()})
-        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        if isinstance(self.world, MpiWorld):
+            # Ranks on this host outlive the proxy by at most a moment (see the worker).
+            command += ["--parent-host", socket.gethostname(), "--world-size", str(self.world.size)]
+        env = dict(os.environ, **{ipc.KEY_ENV: self.key.hex()})
+        process, self._output = popen(self.world, command, env)
+        if self._output is not None:
+            self._output_copier = threading.Thread(
+                target=self._output.copy, name="berth-world-output", daemon=True
+            )
+            self._output_copier.start()
+        return process
 
-    def _handshake(self, config: EngineConfig, timeout: float) -> None:
+    def _world_ended(self, code: int) -> str:
+        """How the world ended, in words: for an MPI world with mpiexec's last words, which say
+        what became of the ranks (hydra names the exit code or signal of the one that ended)."""
+        said = f"{self.world.describe(self._process.pid)} {how_it_exited(code)}"
+        if self._output_copier is not None:
+            self._output_copier.join(LAST_WORDS_SECONDS)  # what it wrote before it exited
+            if last := self._output.last_words():
+                said += f" ({last})"
+        return said
+
+    def _handshake(self, setup: WorkerSetup, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         routing_id, identity = self._await_init_message(deadline, "starting")
         if not isinstance(identity, WorkerIdentity):
             raise RuntimeError(f"the worker's first message must be its identity, got {identity!r}")
         self.identities.append(identity)
         self._requests_socket = ipc.open_socket(
-            self._context, zmq.PUSH, identity.request_address, self._key, ipc.REQUESTS, bind=False
+            self._context, zmq.PUSH, identity.request_address, self.key, ipc.REQUESTS, bind=False
         )
-        self._init.send(config, routing_id=routing_id)  # the answer to an identity is the config
+        self._init.send(setup, routing_id=routing_id)  # the answer to an identity is the setup
         _, status = self._await_init_message(deadline, "loading the model")
         if isinstance(status, InitFailed):
             raise status.error from RemoteTraceback(status.traceback)
         if not isinstance(status, WorkerReady):
             raise RuntimeError(f"expected READY from the worker, got {status!r}")
-        self.stats = status.stats
+        self.limits, self._stats = status.limits, status.stats
         self._init.send(Ack(), routing_id=routing_id)
 
     def _await_init_message(self, deadline: float, doing: str) -> tuple[bytes, object]:
@@ -147,10 +256,7 @@ class ProxyExecutor(GenerationExecutor):
                 received = self._init.recv(POLL_MS, with_routing_id=True)
                 if received is not None:
                     return received
-                raise WorkerDiedError(
-                    f"the worker process {self._process.pid} {how_it_exited(self._process.returncode)} "
-                    f"while {doing}"
-                )
+                raise WorkerDiedError(f"{self._world_ended(self._process.returncode)} while {doing}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the worker did not finish {doing} in time")
 
@@ -158,7 +264,7 @@ class ProxyExecutor(GenerationExecutor):
         """Aborts the world first, then marks the engine dead, then raises the root cause."""
         self._closing = True
         try:
-            self._kill_worker()
+            self._abandon_world()
         finally:
             self._set_fatal(error)
             self._closed = True
@@ -179,21 +285,43 @@ class ProxyExecutor(GenerationExecutor):
             return
         # The root cause (a WorkerFatal) may be queued just before the exit: let it win.
         self._last_words_routed.wait(LAST_WORDS_SECONDS)
-        self._set_fatal(WorkerDiedError(f"the worker process {self._process.pid} {how_it_exited(code)}"))
+        self._set_fatal(WorkerDiedError(self._world_ended(code)))
 
     def _check_workers(self) -> None:
         """The backstop: a worker whose pid is gone is dead, whatever else was (not) noticed."""
         if self._closing or self._worker_gone.is_set():
             return  # expected, or the watcher is already recording it
+        for rank, pid in self._local_ranks():
+            if not _pid_alive(pid):
+                if self.world.size > 1:
+                    which = f"rank {rank}'s process {pid} of {self.world.describe(self._process.pid)}"
+                else:
+                    which = f"the worker process {pid}"
+                self._set_fatal(WorkerDiedError(f"{which} is gone"))
+                return
+
+    def _local_ranks(self) -> list[tuple[int, int]]:
+        """(rank, pid) of every rank on this machine, as rank 0 named them."""
         here = socket.gethostname()
-        for identity in self.identities:
-            if identity.host == here and not _pid_alive(identity.pid):
-                self._set_fatal(WorkerDiedError(f"the worker process {identity.pid} is gone"))
+        return [(rank, pid) for rank, pid, host in self.ranks if host == here]
 
     def _kill_worker(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._worker_gone.wait(DEAD_SHUTDOWN_TIMEOUT)
+        # mpiexec's hydra proxies end their ranks when it dies; ranks on this machine are not
+        # left to that alone (one that hangs in a collective would go on holding the model).
+        if isinstance(self.world, MpiWorld):
+            for _, pid in self._local_ranks():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def _abandon_world(self) -> None:
+        """A world that can no longer serve must not go on holding the model: kill what is left."""
+        self._closing = True
+        self._kill_worker()
+        if self._postprocess is not None:
+            self._postprocess.kill()
 
     # ---- sending -------------------------------------------------------------------------------
 
@@ -209,8 +337,13 @@ class ProxyExecutor(GenerationExecutor):
         if not self._send(request):
             raise EngineDeadError("the executor has been shut down")
 
-    def _send_abort(self, client_id: int, seq_index: int | None) -> None:
-        self._send(AbortRequest(client_id, seq_index))  # after shutdown there is nothing to abort
+    def _send_abort(self, request_id: int, seq_index: int | None) -> None:
+        self._send(AbortRequest(request_id, seq_index))  # after shutdown there is nothing to abort
+
+    def _send_control(self, control: Control) -> None:
+        # The worker does the compare-and-set; a conflict comes back as a refused result.
+        if not self._send(control):
+            raise EngineDeadError("the executor has been shut down")
 
     # ---- receiving ---------------------------------------------------------------------------
 
@@ -233,21 +366,64 @@ class ProxyExecutor(GenerationExecutor):
             self._set_fatal(error)
         finally:
             self._last_words_routed.set()
+            with self._socket_handoff:
+                self._dispatcher_done = True
+                if self._dispatcher_closes_sockets:
+                    self._close_sockets()
+            if self.is_dead:
+                # Nobody routes the world's results any more (or it is dead already): it must not
+                # go on holding the model.
+                self._abandon_world()
+            elif self._lanes_open and self._postprocess is not None:
+                # The worker went without its last word (its watcher records why): its
+                # postprocess workers would wait for it forever.
+                self._postprocess.kill()
 
     def _route(self, messages: list) -> bool:
         """Dispatches everything received in one go (one wake-up per asyncio loop); False once the
         worker has said its last word."""
-        batches = [(m.responses, m.stats) for m in messages if isinstance(m, StepResults)]
-        if batches:
-            self._dispatch(batches)
+        items: list = []
+        for m in messages:
+            if isinstance(m, StepResults):
+                items.append((m.responses, m.stats))
+            elif isinstance(m, TransitionResult) and self._transition_complete(m):
+                items.append(m)
+        self._deliver(items)
         more = True
         for message in messages:
             if isinstance(message, WorkerFatal):
-                self._set_fatal(_with_remote_traceback(message.error, message.traceback))
+                self._set_fatal(self._root_cause(_with_remote_traceback(message.error, message.traceback)))
                 more = False
             elif isinstance(message, WorkerClosed):
-                more = False
+                self._lanes_open -= 1
+                more = more and self._lanes_open > 0
         return more
+
+    def _root_cause(self, error: BaseException) -> BaseException:
+        """Rank 0's fatal error, or in an MPI world where another rank died first (rank 0's next
+        collective then fails too: its error is an echo), hydra's verdict on that rank, with
+        rank 0's error after it. The world ends within moments of such a death."""
+        if not isinstance(self.world, MpiWorld) or not self._worker_gone.wait(LAST_WORDS_SECONDS):
+            return error
+        said = self._world_ended(self._process.returncode)
+        if "a rank ended" not in said:
+            return error  # rank 0 itself failed (it aborted the world): its error is the cause
+        died = WorkerDiedError(f"{said}; rank 0 then failed: {type(error).__name__}: {error}")
+        died.__cause__ = error
+        return died
+
+    def _transition_complete(self, result: TransitionResult) -> bool:
+        """With postprocess workers a transition's result comes once per lane, after the
+        responses that lane held: it is delivered with the last copy, so every response the
+        engine sent before it (a drain's last tokens) is routed first."""
+        if self.num_postprocess_workers <= 1:
+            return True
+        copies = self._transition_copies.get(result.transition_id, 0) + 1
+        if copies < self.num_postprocess_workers:
+            self._transition_copies[result.transition_id] = copies
+            return False
+        self._transition_copies.pop(result.transition_id, None)
+        return True
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -256,10 +432,19 @@ class ProxyExecutor(GenerationExecutor):
         return self.identities[0].pid if self.identities else -1
 
     @property
-    def admission_state(self) -> str:
-        if self.is_dead:
-            return "failed"
-        return self.stats.admission if self.stats is not None else "running"
+    def ranks(self) -> tuple[tuple[int, int, str], ...]:
+        if not self.identities:
+            return ()
+        identity = self.identities[0]
+        return identity.world or ((identity.rank, identity.pid, identity.host),)
+
+    @property
+    def world_process(self) -> subprocess.Popen | None:
+        """The process the world is: the worker, or mpiexec (its exit code is the world's)."""
+        return self._process
+
+    def _engine_admission_state(self) -> str:
+        return self._stats.admission if self._stats is not None else "running"
 
     # ---- shutdown ------------------------------------------------------------------------------
 
@@ -277,7 +462,7 @@ class ProxyExecutor(GenerationExecutor):
         worker then aborts what is in flight and answers every request."""
         self._closing = True
         worker_can_read = not self.is_dead and not self._worker_gone.is_set()
-        return worker_can_read and self._send(ShutdownWorker())
+        return worker_can_read and self._send(Shutdown())
 
     def _wait_for_worker(self, timeout: float) -> None:
         """Step two: a live worker gets `timeout` to finish; after that it is killed (abandoned)."""
@@ -285,11 +470,18 @@ class ProxyExecutor(GenerationExecutor):
             logger.error("the worker did not exit within %.0f s: killing it", timeout)
             self._set_fatal(TimeoutError(f"the worker did not stop within {timeout:.0f} s"))
             self._kill_worker()
+        if self._postprocess is not None:  # they pass the worker's last word on, then exit
+            self._postprocess.stop(DEAD_SHUTDOWN_TIMEOUT)
         self._dispatcher.join(DEAD_SHUTDOWN_TIMEOUT)
         self._fail_pending(EngineDeadError("the executor was shut down"))
-        if self._dispatcher.is_alive():
-            logger.error("the dispatch thread did not stop: leaving its socket open")
-            return
+        with self._socket_handoff:
+            if not self._dispatcher_done:
+                # Its socket is not ours to close while it may still read it. It closes them
+                # when it stops: a context left unclosed would deadlock whichever thread's
+                # garbage collection meets it later (pyzmq terms it before its sockets close).
+                logger.error("the dispatch thread did not stop: it closes the sockets when it does")
+                self._dispatcher_closes_sockets = True
+                return
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -300,8 +492,24 @@ class ProxyExecutor(GenerationExecutor):
             if sock is not None:
                 sock.close()
         self._context.term()
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        for folder in [self._ipc_dir, *self._scratch_dirs]:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def default_world(config: EngineConfig) -> World:
+    """One worker process, or an MPI world of `tensor_parallel_size` ranks on this machine."""
+    if config.tensor_parallel_size == 1:
+        return LocalWorker()
+    return MpiWorld(config.tensor_parallel_size)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _with_remote_traceback(error: BaseException, traceback: str) -> BaseException:

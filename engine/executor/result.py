@@ -2,8 +2,9 @@
 
 It is filled by the executor's dispatch thread and read by the client from sync code
 (`result()`, `for out in result`) or async code (`await result`, `async for out in result`).
-Detokenization and stop-string matching happen here, on the client side of the boundary,
-so the engine loop never spends time on text.
+Detokenization and stop-string matching happen on the client side of the boundary, so the
+engine loop never spends time on text: here (`postprocess.py`), or in a postprocess worker
+process that sends the updates ready-made.
 """
 
 from __future__ import annotations
@@ -12,26 +13,18 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from berth.engine.executor.errors import EngineDeadError, RequestError
-from berth.engine.executor.request import GenerationRequest
-from berth.engine.executor.response import Response
+from berth.engine.engine_io import GenerationRequest, RequestError, Response
+from berth.engine.executor.errors import EngineDeadError
+from berth.engine.executor.postprocess import RequestPostprocessor, SequenceUpdate
 from berth.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from berth.engine.sampling_params import SamplingParams
-from berth.engine.tokenizer import IncrementalDetokenizer
 
 
 class _Sequence:
     """One of the request's `n` output sequences, as the client sees it."""
 
-    def __init__(self, index: int, params: SamplingParams, tokenizer, incremental: bool) -> None:
+    def __init__(self, index: int, params: SamplingParams) -> None:
         self.index = index
-        self.params = params
-        self.tokenizer = tokenizer if params.detokenize else None
-        self.detokenizer = (
-            IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-            if incremental and self.tokenizer is not None
-            else None
-        )
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
@@ -44,56 +37,25 @@ class _Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, response: Response) -> bool:
-        """Applies one engine response; returns True when a stop string ended the sequence here
-        (the engine does not know yet and must be told to stop it)."""
-        self.token_ids += response.token_ids
-        if self.logprobs is not None and response.logprobs:
-            for token_id, (logprob, rank, top) in zip(response.token_ids, response.logprobs):
-                entry = {tid: Logprob(lp, r + 1, self._decode_one(tid)) for r, (tid, lp) in enumerate(top)}
-                entry.setdefault(token_id, Logprob(logprob, rank, self._decode_one(token_id)))
-                self.logprobs.append(entry)
-                self.cumulative_logprob += logprob
-        if self.detokenizer is not None:
-            checked = len(self.text)
-            self.text += "".join(self.detokenizer.step(t) for t in response.token_ids)
-            if self.params.stop_strings and self._match_stop_string(checked):
-                return True
-        if response.finish_reason is not None:
-            self.finish_reason, self.stop_reason = response.finish_reason, response.stop_reason
-            if self.tokenizer is not None:
-                self._decode_all()
-        return False
-
-    def _decode_all(self) -> None:
-        """The final text: a full decode, as a non-streamed result has. A streamed one only
-        takes what it adds at the end: the incremental detokenizer holds back a trailing
-        incomplete UTF-8 character for good (a full decode shows it as U+FFFD), and text
-        already streamed is never rewritten."""
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)
-        streamed_prefix_kept = len(full) > len(self.text) and full.startswith(self.text)
-        if self.detokenizer is None or streamed_prefix_kept:
-            self.text = full
-
-    def _match_stop_string(self, checked: int) -> bool:
-        # Only a match that ends in the new text is new: start just far enough back.
-        start = max(0, checked - self.longest_stop + 1)
-        found = [(pos, s) for s in self.params.stop_strings if (pos := self.text.find(s, start)) >= 0]
-        if not found:
-            return False
-        pos, stop = min(found)
-        self.text = self.text[: pos + (len(stop) if self.params.include_stop_str_in_output else 0)]
-        self.finish_reason, self.stop_reason = "stop", stop
-        return True
+    def apply(self, update: SequenceUpdate) -> bool:
+        """Applies one postprocessed response; returns True when a stop string ended the
+        sequence here (the engine does not know yet and must be told to stop it)."""
+        self.token_ids += update.token_ids
+        if self.logprobs is not None and update.logprobs:
+            self.logprobs += update.logprobs
+        if update.cumulative_logprob is not None:
+            self.cumulative_logprob = update.cumulative_logprob
+        if update.text or update.text_start < len(self.text):
+            self.text = self.text[: update.text_start] + update.text
+        if update.finish_reason is not None:
+            self.finish_reason, self.stop_reason = update.finish_reason, update.stop_reason
+        return update.stopped_by_string
 
     def visible_text(self) -> str:
         """While streaming, hold back a tail that might still become a stop string."""
         if self.finished or self.longest_stop <= 1:
             return self.text
         return self.text[: max(0, len(self.text) - self.longest_stop + 1)]
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
 
 class GenerationResult:
@@ -109,23 +71,26 @@ class GenerationResult:
         self.prompt = prompt
         self._abort = abort
         params = request.sampling_params
-        incremental = request.streaming or bool(params.stop_strings)
-        self._sequences = [_Sequence(i, params, tokenizer, incremental) for i in range(params.n)]
+        self._sequences = [_Sequence(i, params) for i in range(params.n)]
+        self._tokenizer = tokenizer
+        # Raw engine responses are postprocessed here; updates from a postprocess worker
+        # arrive postprocessed. Built on the first raw response.
+        self._postprocessor: RequestPostprocessor | None = None
         self._lock = threading.Lock()
         self._updated = threading.Condition(self._lock)
         self._version = 0
         self._done = False
         self._error: BaseException | None = None
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
-        # Emitted-so-far cursors for streamed diffs, one (text, tokens) pair per sequence.
-        self._cursors = [(0, 0)] * params.n
+        # Every asyncio consumer waiting for news (several may await or iterate one result).
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.queue_seconds: float | None = None
+        # The engine's clock (wall time) at each step that brought this request new tokens:
+        # what inter-token latency is measured on, however the updates are consumed.
+        self.token_step_times: list[float] = []
 
     @property
-    def client_id(self) -> int:
-        return self.request.client_id
-
-    request_id = client_id
+    def request_id(self) -> int:
+        return self.request.request_id
 
     @property
     def finished(self) -> bool:
@@ -133,20 +98,24 @@ class GenerationResult:
 
     # ---- called by the executor's dispatch thread -------------------------------------------
 
-    def _handle(self, responses: list[Response]) -> list[int]:
-        """Applies one step's responses; returns the sequences a stop string ended client-side."""
+    def _handle(self, responses: list[Response | SequenceUpdate], step_time: float) -> list[int]:
+        """Applies one step's responses, raw or postprocessed (the step ran at `step_time`, the
+        engine's clock); returns the sequences a stop string ended client-side."""
         stopped: list[int] = []
         with self._lock:
             if self._done:
                 return stopped  # late responses after a stop string or an error: dropped
+            if any(response.token_ids for response in responses):
+                self.token_step_times.append(step_time)
             for response in responses:
-                if response.queue_seconds is not None and self.queue_seconds is None:
-                    self.queue_seconds = response.queue_seconds
-                if response.error is not None:
-                    self._finish(RequestError(response.error, response.error_code or "invalid_request"))
+                update = response if isinstance(response, SequenceUpdate) else self._postprocess(response)
+                if update.queue_seconds is not None and self.queue_seconds is None:
+                    self.queue_seconds = update.queue_seconds
+                if update.error is not None:
+                    self._finish(update.error)
                     return stopped
-                sequence = self._sequences[response.seq_index]
-                if not sequence.finished and sequence.add(response):
+                sequence = self._sequences[update.seq_index]
+                if not sequence.finished and sequence.apply(update):
                     stopped.append(sequence.index)
             if all(s.finished for s in self._sequences):
                 self._finish(None)
@@ -154,6 +123,13 @@ class GenerationResult:
                 self._version += 1
                 self._updated.notify_all()
         return stopped
+
+    def _postprocess(self, response: Response) -> SequenceUpdate:
+        if self._postprocessor is None:
+            self._postprocessor = RequestPostprocessor(
+                self.request_id, self.request.sampling_params, self._tokenizer, self.request.streaming
+            )
+        return self._postprocessor.process(response)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -166,23 +142,23 @@ class GenerationResult:
         self._version += 1
         self._updated.notify_all()
 
-    def _take_waiter(self) -> tuple[asyncio.AbstractEventLoop, asyncio.Future] | None:
+    def _take_waiters(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]:
         with self._lock:
-            waiter, self._waiter = self._waiter, None
-        return waiter
+            waiters, self._waiters = self._waiters, []
+        return waiters
 
     # ---- the client's side ------------------------------------------------------------------
 
     def abort(self) -> None:
         """Asks the engine to stop this request; its unfinished sequences end with "abort"."""
         if self._abort is not None and not self._done:
-            self._abort(self.client_id, None)
+            self._abort(self.request_id, None)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Blocks until the request is finished; raises its error (the same one every time)."""
         with self._lock:
             if not self._updated.wait_for(lambda: self._done, timeout):
-                raise TimeoutError(f"request {self.client_id} not finished after {timeout} s")
+                raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
             return self._output()
 
     async def aresult(self) -> RequestOutput:
@@ -197,12 +173,13 @@ class GenerationResult:
         return self.aresult().__await__()
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        """Streams updates: each carries the cumulative output and what is new (`*_diff`)."""
+        """Streams updates: each carries the cumulative output and what is new (`*_diff`) to this
+        stream (several streams of one result each see everything)."""
+        cursors = [(0, 0)] * len(self._sequences)
         while True:
             with self._lock:
                 version = self._version
-                yield_now = self._has_news()
-                output = self._output(stream=True) if yield_now else None
+                output = self._output(cursors) if self._has_news(cursors) else None
                 done = self._done
             if output is not None:
                 yield output
@@ -212,10 +189,11 @@ class GenerationResult:
                 self._updated.wait_for(lambda v=version: self._version != v)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        cursors = [(0, 0)] * len(self._sequences)
         while True:
             with self._lock:
                 version = self._version
-                output = self._output(stream=True) if self._has_news() else None
+                output = self._output(cursors) if self._has_news(cursors) else None
                 done = self._done
             if output is not None:
                 yield output
@@ -229,25 +207,28 @@ class GenerationResult:
             if self._version != version:
                 return
             future = loop.create_future()
-            self._waiter = (loop, future)
+            self._waiters.append((loop, future))
         await future
 
-    def _has_news(self) -> bool:
+    def _has_news(self, cursors: list[tuple[int, int]]) -> bool:
         if self._done:
             return True
         return any(
             len(s.visible_text()) > text_at or len(s.token_ids) > tokens_at
-            for s, (text_at, tokens_at) in zip(self._sequences, self._cursors)
+            for s, (text_at, tokens_at) in zip(self._sequences, cursors)
         )
 
-    def _output(self, stream: bool = False) -> RequestOutput:
-        """A snapshot; raises the request's error instead if it has one. Caller holds the lock."""
+    def _output(self, cursors: list[tuple[int, int]] | None = None) -> RequestOutput:
+        """A snapshot; raises the request's error instead if it has one. Caller holds the lock.
+
+        `cursors`, a stream's own (text, tokens) emitted-so-far per sequence, make the `*_diff`
+        fields what is new to that stream, and move on."""
         if self._error is not None:
             raise self._error
         outputs = []
         for i, s in enumerate(self._sequences):
             text = s.visible_text()
-            text_at, tokens_at = self._cursors[i] if stream else (0, 0)
+            text_at, tokens_at = cursors[i] if cursors is not None else (0, 0)
             outputs.append(
                 CompletionOutput(
                     index=s.index,
@@ -261,10 +242,10 @@ class GenerationResult:
                     token_ids_diff=s.token_ids[tokens_at:],
                 )
             )
-            if stream:
-                self._cursors[i] = (len(text), len(s.token_ids))
+            if cursors is not None:
+                cursors[i] = (len(text), len(s.token_ids))
         return RequestOutput(
-            request_id=self.client_id,
+            request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.request.prompt_token_ids.tolist(),
             outputs=outputs,

@@ -2,19 +2,28 @@
 
     BERTH_ENGINE_KEY=<hex> python -m berth.engine.executor.worker \\
         --init-address A --result-address B --request-address C [--parent-pid P]
+    BERTH_ENGINE_KEY=<hex> mpiexec -n N python -m berth.engine.executor.worker ... --world-size N
 
 Everything a worker needs arrives explicitly: addresses on the command line, the key in the
 environment (never on the command line, where `ps` shows it), the engine config over the signed
 init queue. So the proxy can spawn it on this machine, and `mpirun` can start it on another.
 
+Results go back on one lane, raw, to the proxy; or, with postprocess workers, on one lane per
+postprocess worker, each carrying the responses of the requests pinned to it (request_id % N),
+and each the result of every sleep / wakeup and the worker's last word, behind them.
+
 Order of the handshake: identity first, then the model load (which can take minutes), then
 READY. A worker that dies while loading is therefore noticed at once, not after a timeout.
+
+In an MPI world (tensor parallelism) every rank runs this module; rank 0 alone talks to the
+proxy. It names every rank's process in its identity, hands the config to the others, and each
+rank then loads its shard (`mpi_rank.py`, `pyexecutor/rank.py`); the others follow rank 0's
+steps until it stops them (an ordered shutdown) or the world is aborted (any other end).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import os
 import shutil
@@ -28,22 +37,30 @@ from pathlib import Path
 
 import zmq
 
-from berth.engine.config import EngineConfig
-from berth.engine.executor import ipc
-from berth.engine.executor.errors import RequestError
-from berth.engine.executor.messages import (
+from berth.engine.engine_io import (
     AbortRequest,
+    Control,
+    GenerationRequest,
+    RequestError,
+    Response,
+    Shutdown,
+    Sleep,
+    TransitionError,
+    TransitionResult,
+    Wakeup,
+)
+from berth.engine.executor import ipc
+from berth.engine.executor.messages import (
     InitFailed,
-    ShutdownWorker,
+    LaneStep,
     StepResults,
     WorkerClosed,
     WorkerFatal,
     WorkerIdentity,
     WorkerReady,
+    WorkerSetup,
     portable_error,
 )
-from berth.engine.executor.request import GenerationRequest
-from berth.engine.executor.response import Response
 
 logger = logging.getLogger("berth.engine.executor.worker")
 
@@ -56,30 +73,70 @@ PARENT_CHECK_SECONDS = 0.5
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("BERTH_LOG_LEVEL", "WARNING"),
-        format=f"berth worker {os.getpid()}: %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+    world = None
+    if args.world_size > 1:
+        from berth.engine.executor.mpi_rank import MpiRank
+
+        world = MpiRank(args.world_size)
+    # A rank on another host than the proxy cannot watch its pid (mpiexec ends it instead).
+    watches = args.parent_pid and (args.parent_host is None or args.parent_host == socket.gethostname())
+    key = start_as_child(
+        f"berth worker {os.getpid()}",
+        args.parent_pid if watches else 0,
+        _ipc_folder(args.request_address),
+        # Started by mpiexec (which passes the parent's host), the proxy is not the parent.
+        by_pid=args.parent_host is not None,
+        end=world.abort if world is not None else os._exit,
     )
-    if args.parent_pid:
-        _exit_with_parent(args.parent_pid, _ipc_folder(args.request_address))
-    # Ctrl-C reaches the whole terminal's process group; the proxy owns the shutdown (it lets
-    # in-flight requests end), so the worker leaves only when told to or when its proxy is gone.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    key = ipc.key_from_env()
+    if world is not None and not world.is_leader:
+        return _follow(world)
+    code = _lead(args, key, world)
+    if code and world is not None:
+        # The proxy has heard why (the sockets are flushed by now); the other ranks may be
+        # waiting for this one in a collective that will never complete.
+        world.abort(code)
+    return code
+
+
+def _lead(args: argparse.Namespace, key: bytes, world) -> int:
+    """Rank 0 (or the only rank): the engine, fed from the proxy's queues."""
     context = zmq.Context()
     init = ipc.open_socket(context, zmq.DEALER, args.init_address, key, ipc.INIT_STATUS, bind=False)
     requests = ipc.open_socket(context, zmq.PULL, args.request_address, key, ipc.REQUESTS, bind=True)
     results = ipc.open_socket(context, zmq.PUSH, args.result_address, key, ipc.RESULTS, bind=False)
+    lanes: list[ipc.SignedSocket] = []
     try:
-        engine = _initialize(init, args.rank, requests.address)
-        if engine is None:
+        started = _initialize(init, ipc.reachable(requests.address, socket.getfqdn()), world)
+        if started is None:
             return 1
-        return Worker(engine, requests, results).serve()
+        engine, setup = started
+        lanes = [
+            ipc.open_socket(context, zmq.PUSH, address, key, ipc.LANE, bind=False)
+            for address in setup.result_lanes
+        ]
+        return Worker(engine, requests, lanes or [results], postprocessed=bool(lanes)).serve()
     finally:
-        for sock in (init, requests, results):
+        for sock in (init, requests, results, *lanes):
             sock.close(linger_ms=FLUSH_MS)  # the last results and the init failure must get out
         context.term()
+
+
+def start_as_child(
+    name: str, parent_pid: int, ipc_folder: Path | None, *, by_pid: bool = False, end=os._exit
+) -> bytes:
+    """What a process the proxy starts (a worker, a rank, a postprocess worker) does first: log
+    as `name`, leave with its parent (`exit_with_parent`), ignore Ctrl-C; returns the engine's key."""
+    logging.basicConfig(
+        level=os.environ.get("BERTH_LOG_LEVEL", "WARNING"),
+        format=f"{name}: %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if parent_pid:
+        exit_with_parent(parent_pid, ipc_folder, by_pid, end)
+    # Ctrl-C reaches the whole terminal's process group; the proxy owns the shutdown (it lets
+    # in-flight requests end), so a child leaves only when told to or when its proxy is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return ipc.key_from_env()
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,32 +146,75 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--request-address", required=True, help="where to listen for requests (tcp://HOST:* picks a port)"
     )
-    parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    parser.add_argument(
+        "--parent-host", help="the host the parent runs on: ranks elsewhere cannot watch it (default: here)"
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=1, help="ranks of the MPI world this process is one of (mpiexec -n)"
+    )
     return parser.parse_args(argv)
 
 
-def _initialize(init: ipc.SignedSocket, rank: int, request_address: str):
-    """The handshake; returns the loaded engine, or None after telling the proxy why not."""
-    identity = WorkerIdentity(rank, os.getpid(), socket.gethostname(), request_address)
-    init.send(identity)
-    config = init.recv(CONFIG_TIMEOUT_MS)
-    if not isinstance(config, EngineConfig):
-        logger.error("no engine config from the proxy (got %r): exiting", config)
+def _initialize(init: ipc.SignedSocket, request_address: str, world):
+    """The handshake; returns the loaded engine and its setup, or None after telling the proxy
+    why not."""
+    members = world.members() if world is not None else ((0, os.getpid(), socket.gethostname()),)
+    init.send(WorkerIdentity(0, os.getpid(), socket.gethostname(), request_address, world=members))
+    setup = init.recv(CONFIG_TIMEOUT_MS)
+    if not isinstance(setup, WorkerSetup):
+        setup = None
+    if world is not None:
+        world.share(setup.config if setup is not None else None)  # None: the other ranks leave
+    if setup is None:
+        logger.error("no engine setup from the proxy: exiting")
         return None
     try:  # the import too: a broken torch install is a failed start the proxy must hear about
         from berth.engine.pyexecutor.py_executor import PyExecutor
 
-        engine = PyExecutor.launch(config)
+        if world is None:
+            engine = PyExecutor.launch(setup.config)
+        else:
+            engine = PyExecutor.launch(*world.join_collectives(setup.config))
     except BaseException as error:
         logger.exception("the engine failed to start")
-        init.send(InitFailed(portable_error(error), _format(error)))
+        # Another rank's failure carries that rank's own traceback.
+        trace = getattr(error, "rank_traceback", "") or _format(error)
+        init.send(InitFailed(portable_error(error), trace))
         return None
-    init.send(WorkerReady(engine.stats()))
+    init.send(WorkerReady(engine.limits, engine.stats()))
     if init.recv(ACK_TIMEOUT_MS) is None:
         logger.error("the proxy did not acknowledge READY: exiting")
         return None
-    return engine
+    return engine, setup
+
+
+def _follow(world) -> int:
+    """A rank other than 0: builds its shard and runs the steps rank 0 broadcasts."""
+    world.members()
+    config = world.share(None)
+    if config is None:
+        return 1  # rank 0 got no config: the world does not start
+    try:
+        from berth.engine.pyexecutor.rank import build_rank, follow, leave_world
+
+        config, tp = world.join_collectives(config)
+    except BaseException:
+        logger.exception("rank %d could not join the world", world.rank)
+        world.abort(1)
+    try:
+        runner, _ = build_rank(config, tp)
+    except Exception:
+        # Every rank heard of it (build_rank shares failures) and rank 0 tells the proxy.
+        logger.exception("rank %d: the world failed to start", world.rank)
+        return 1
+    try:
+        follow(runner, config)
+    except BaseException:
+        logger.exception("rank %d failed", world.rank)
+        world.abort(1)
+    leave_world(tp)
+    return 0
 
 
 def _ipc_folder(address: str) -> Path | None:
@@ -125,43 +225,65 @@ def _ipc_folder(address: str) -> Path | None:
     return folder if folder.name.startswith(ipc.IPC_FOLDER_PREFIX) else None
 
 
-def _exit_with_parent(parent_pid: int, ipc_folder: Path | None) -> None:
+def exit_with_parent(parent_pid: int, ipc_folder: Path | None, by_pid: bool = False, end=os._exit) -> None:
     """A worker outlives its proxy by at most a moment: nobody could read its results. A proxy
-    that was killed could not remove its socket folder: the worker does it on the way out."""
+    that was killed could not remove its socket folder: the worker does it on the way out.
+    A rank of an MPI world is not the proxy's child (mpiexec's hydra proxy is its parent): it
+    watches the proxy's pid instead, and ends the whole world (`end`) when it is gone."""
+
+    def proxy_alive() -> bool:
+        return _pid_alive(parent_pid) if by_pid else os.getppid() == parent_pid
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while proxy_alive():
             time.sleep(PARENT_CHECK_SECONDS)
         logger.warning("the proxy process %d is gone: exiting", parent_pid)
         if ipc_folder is not None:
             shutil.rmtree(ipc_folder, ignore_errors=True)
-        os._exit(1)
+        end(1)
 
     threading.Thread(target=watch, name="berth-parent-watch", daemon=True).start()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 class Worker:
     """Feeds the engine from the request queue and sends each step's responses back.
 
-    The engine knows requests by its own `request_id`; the proxy knows them by `client_id`.
-    This class keeps the map between the two (both ways) for as long as a request lives.
+    Requests keep the id the executor gave them, end to end: the worker passes messages
+    through, so it keeps no map of its own. With postprocess workers (`postprocessed`), each
+    lane is one of them: a request's responses all go, in order, to lane request_id % N, the
+    first of them with the request's parameters (they cross once per request, not per token).
     """
 
-    def __init__(self, engine, requests: ipc.SignedSocket, results: ipc.SignedSocket) -> None:
+    def __init__(
+        self,
+        engine,
+        requests: ipc.SignedSocket,
+        lanes: list[ipc.SignedSocket],
+        *,
+        postprocessed: bool = False,
+    ) -> None:
         self.engine = engine
         self._requests = requests
-        self._results = results
+        self._lanes = lanes
+        self._postprocessed = postprocessed
+        # Parameters of requests whose first response has not gone out yet (postprocessed only).
+        self._unsent_params: dict[int, tuple] = {}
         self._send_lock = threading.Lock()  # the engine thread and the request loop both send
-        self._request_ids = itertools.count(1)
-        self._request_of: dict[int, int] = {}  # client_id -> request_id (for aborts)
-        # request_id -> [client_id, sequences not finished yet]. Written by the request loop when a
-        # request arrives and by the engine thread when it ends: different keys, atomic dict ops.
-        self._client_of: dict[int, list[int]] = {}
         self._engine_done = threading.Event()
         self._fatal = False
 
     def serve(self) -> int:
-        self.engine.start(on_responses=self._send_step, on_fatal=self._on_fatal)
+        self.engine.start(
+            on_responses=self._send_step, on_fatal=self._on_fatal, on_transition=self._send_to_every_lane
+        )
         try:
             self._request_loop()
         except BaseException as error:  # this loop feeds the engine: without it, the engine is dead
@@ -170,11 +292,11 @@ class Worker:
         self.engine.join(0 if self._fatal else None)
         if self._fatal:
             return 1
-        with self._send_lock:
-            self._results.send(WorkerClosed())
+        self._send_to_every_lane(WorkerClosed())
         return 0
 
     def _request_loop(self) -> None:
+        queue = self.engine.request_queue
         while not self._engine_done.is_set():
             message = self._requests.recv(POLL_MS)
             if message is None:
@@ -183,66 +305,69 @@ class Worker:
             elif isinstance(message, GenerationRequest):
                 self._submit(message)
             elif isinstance(message, AbortRequest):
-                self._abort(message.client_id, message.seq_index)
-            elif isinstance(message, ShutdownWorker):
+                queue.enqueue_abort(message)
+            elif isinstance(message, (Sleep, Wakeup)):
+                self._control(message)
+            elif isinstance(message, Shutdown):
                 # The loop aborts what is in flight (each client hears back), then exits.
-                self.engine.request_queue.enqueue_shutdown()
+                queue.enqueue_shutdown()
                 break
             else:
                 logger.warning("unknown message on the request queue: %r", type(message).__name__)
 
-    # ---- the request loop's side ---------------------------------------------------------------
-
     def _submit(self, request: GenerationRequest) -> None:
-        client_id = request.client_id
-        request_id = next(self._request_ids)
-        self._client_of[request_id] = [client_id, request.sampling_params.n]
-        self._request_of[client_id] = request_id
-        request.client_id = request_id
+        if self._postprocessed:  # before the engine has it: its first response may come at once
+            self._unsent_params[request.request_id] = (request.sampling_params, request.streaming)
         try:
             self.engine.request_queue.enqueue_request(request)
-        except RequestError as error:  # fails this request only; the engine goes on
-            self._forget(request_id)
-            response = Response(client_id, 0, [], error=str(error), error_code=error.code)
-            with self._send_lock:
-                self._results.send(StepResults([response], self.engine.stats()))
+        except RequestError as error:  # fails this request only (not admitting now); the engine goes on
+            self._send_step([Response(request.request_id, 0, [], error=error)], self.engine.stats())
 
-    def _abort(self, client_id: int, seq_index: int | None) -> None:
-        request_id = self._request_of.get(client_id)
-        if request_id is None:
-            logger.debug("abort for request %d, which is finished or unknown: nothing to do", client_id)
-            return
-        self.engine.request_queue.enqueue_abort(request_id, seq_index)
-
-    # ---- the engine thread's side --------------------------------------------------------------
+    def _control(self, control: Control) -> None:
+        """Starts a sleep or wakeup (the engine loop carries it on), or refuses it here."""
+        try:
+            control.validate()  # an unpickled message ran no validation
+            self.engine.request_queue.enqueue_control(control)
+        except (TransitionError, ValueError) as error:
+            state = self.engine.request_queue.admission_state.value
+            if isinstance(error, ValueError):
+                error = TransitionError(str(error), "invalid_request", state)
+            self._send_to_every_lane(
+                TransitionResult(control.transition_id, control.kind, state, error=error)
+            )
 
     def _send_step(self, responses: list[Response], stats) -> None:
-        for response in responses:
-            entry = self._client_of.get(response.client_id)
-            if entry is None:
-                continue  # cannot happen while the map is kept right; never send a stranger's id
-            request_id, response.client_id = response.client_id, entry[0]
-            if response.error is not None:
-                entry[1] = 0  # an error ends every sequence of the request
-            elif response.finish_reason is not None:
-                entry[1] -= 1
-            if entry[1] <= 0:
-                self._forget(request_id)
         with self._send_lock:
-            self._results.send(StepResults(responses, stats))
+            if not self._postprocessed:
+                self._lanes[0].send(StepResults(responses, stats))
+                return
+            shares: list[list[Response]] = [[] for _ in self._lanes]
+            for response in responses:
+                shares[response.request_id % len(self._lanes)].append(response)
+            for index, share in enumerate(shares):
+                if not share and (index or responses):
+                    continue  # a step without responses still tells its stats, on lane 0
+                new = {}
+                for response in share:
+                    params = self._unsent_params.pop(response.request_id, None)
+                    if params is not None:
+                        new[response.request_id] = params
+                self._lanes[index].send(LaneStep(share, stats, new))
+
+    def _send_to_every_lane(self, message: object) -> None:
+        # Every lane ends with the worker's last word, and carries each transition's result, so
+        # each postprocess worker passes it on after the results it holds: the proxy knows the
+        # world is done (or a transition is) once all have.
+        with self._send_lock:
+            for lane in self._lanes:
+                lane.send(message)
 
     def _on_fatal(self, error: BaseException) -> None:
         self._fatal = True
         try:
-            with self._send_lock:
-                self._results.send(WorkerFatal(portable_error(error), _format(error)))
+            self._send_to_every_lane(WorkerFatal(portable_error(error), _format(error)))
         finally:
             self._engine_done.set()
-
-    def _forget(self, request_id: int) -> None:
-        entry = self._client_of.pop(request_id, None)
-        if entry is not None and self._request_of.get(entry[0]) == request_id:
-            del self._request_of[entry[0]]
 
 
 def _format(error: BaseException) -> str:

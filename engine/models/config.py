@@ -15,6 +15,22 @@ REQUIRED_FIELDS = (
 )
 
 
+# The fields that decide the shape of every weight (and of the KV cache): another revision of
+# a model can be swapped into an engine only if it keeps them.
+SHAPE_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "attention_bias",
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -69,6 +85,14 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, Path(model_dir)),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
         )
+
+    def shape_differences(self, other: ModelConfig) -> list[str]:
+        """What in `other` gives a weight another shape than in this model ("" when nothing)."""
+        return [
+            f"{name} {getattr(other, name)!r} (serving: {getattr(self, name)!r})"
+            for name in SHAPE_FIELDS
+            if getattr(other, name) != getattr(self, name)
+        ]
 
 
 def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from berth import kernels
+from berth.engine.models.parallel import TensorParallelGroup, vocab_split
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -18,22 +19,56 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, device) -> None:
+    """y = x W^T + b through the kernel backend. After the weights are loaded, `pack()` lets the
+    backend keep a copy laid out for its GEMM (oneDNN's blocked layout on the CPU), used by every
+    call instead of re-laying out the weight each time. `weight` stays the source of truth (a
+    shard of it, once tensor parallelism splits it): whoever changes it must `pack()` again."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        dtype,
+        device,
+        weight: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
+        # A given `weight` is shared (a tied LM head is the embedding matrix).
+        self.weight = (
+            weight if weight is not None else _empty(out_features, in_features, dtype=dtype, device=device)
+        )
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = kernels.pack_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.packed)
 
 
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype, device) -> None:
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding (all of them with one rank): ids it does not hold look
+    up zeros, and the all-reduce over the ranks puts every row together."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, tp: TensorParallelGroup, dtype, device
+    ) -> None:
         super().__init__()
-        self.weight = _empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        self.tp = tp
+        self.start, self.held, self.rows = vocab_split(num_embeddings, tp.rank, tp.size)
+        self.weight = _empty(self.rows, embedding_dim, dtype=dtype, device=device)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.start
+        elsewhere = (local < 0) | (local >= self.held)
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        rows.masked_fill_(elsewhere.unsqueeze(-1), 0)
+        return self.tp.all_reduce(rows)
 
 
 class RMSNorm(nn.Module):

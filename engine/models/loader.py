@@ -1,7 +1,12 @@
-"""Loading a Hugging Face checkpoint (safetensors, single file or sharded) into our models."""
+"""Loading a Hugging Face checkpoint (safetensors, single file or sharded) into our models.
+
+Tensors are read lazily (`StoredTensor`): a rank of a tensor-parallel world reads only its
+shard of each from the file (safetensors' slices), never the whole tensor.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +17,7 @@ from tqdm.auto import tqdm
 
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from berth.engine.models.parallel import SINGLE, TensorParallelGroup
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -39,15 +45,66 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / shard for shard in shards]
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = [model_dir / name for name in names]
+        for shard in shards:
+            if not shard.is_file():
+                raise FileNotFoundError(f"{shard}: a file {index.name} names is missing")
+        return shards
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]
     raise FileNotFoundError(f"no safetensors checkpoint in {model_dir} (model.safetensors or its index)")
 
 
-def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+# How much of each end of a weight file goes into its digest.
+DIGEST_SAMPLE_BYTES = 1 << 20
+
+
+def checkpoint_digest(model_dir: str | Path) -> str:
+    """A digest ("sha256:...") of what tells one revision of a checkpoint from another, cheap
+    enough for every load: config.json, the safetensors index, and each weight file's name, size, and
+    first and last MiB (the header with every tensor's name, shape and offset, and weights at
+    both ends). Not a hash of every weight byte: two checkpoints that differ only in the middle
+    of a file get the same digest."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        path = model_dir / name
+        if path.is_file():
+            digest.update(f"{name}\0".encode() + path.read_bytes() + b"\0")
+    for path in checkpoint_files(model_dir):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as weights:
+            digest.update(weights.read(DIGEST_SAMPLE_BYTES))
+            if size > 2 * DIGEST_SAMPLE_BYTES:
+                weights.seek(size - DIGEST_SAMPLE_BYTES)
+            digest.update(weights.read(DIGEST_SAMPLE_BYTES))
+    return f"sha256:{digest.hexdigest()}"
+
+
+class StoredTensor:
+    """One tensor of an open safetensors file, read when asked, and only the part asked for."""
+
+    def __init__(self, handle, name: str, progress: tqdm) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+        self._progress = progress
+
+    def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+        if dim is None:
+            tensor = self._slice[:]
+        else:
+            index = [slice(None)] * len(self.shape)
+            index[dim] = slice(start, self.shape[dim] if length is None else start + length)
+            tensor = self._slice[tuple(index)]
+        self._progress.update(tensor.numel() * tensor.element_size())
+        return tensor
+
+
+def iterate_weights(files: list[Path]) -> Iterator[tuple[str, StoredTensor]]:
+    # The bar counts bytes read, which for a shard is a part of the files.
     total = sum(f.stat().st_size for f in files)
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="Loading weights", disable=total < PROGRESS_BAR_MIN_BYTES
@@ -55,14 +112,16 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         for path in files:
             with safe_open(str(path), framework="pt") as shard:
                 for name in shard.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensor = shard.get_tensor(name)
-                    yield name, tensor
-                    progress.update(tensor.numel() * tensor.element_size())
+                    yield name, StoredTensor(shard, name, progress)
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    tp: TensorParallelGroup = SINGLE,
 ) -> LlamaForCausalLM:
+    """The model, or with `tp` this rank's shard of it, loaded and packed for the kernels."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     if config.architecture not in ARCHITECTURES:
@@ -71,7 +130,8 @@ def load_model(
         )
     device = torch.device(device)
     model = ARCHITECTURES[config.architecture](
-        config, dtype=resolve_dtype(dtype, config, device), device=device
+        config, dtype=resolve_dtype(dtype, config, device), device=device, tp=tp
     )
     model.load_weights(iterate_weights(checkpoint_files(model_dir)))
+    model.pack_weights()
     return model.eval()

@@ -1,24 +1,54 @@
-"""Turns a scheduled batch into the model's flat inputs, runs it, returns the logits to sample."""
+"""Turns a scheduled batch into the model's flat inputs, runs it, returns the logits to sample.
+
+In a tensor-parallel world the leader's runner broadcasts each step's inputs before running
+them, and every other rank's runner runs exactly those (`rank.follow`): the same forward, in
+the same order, so the collectives inside it pair up.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from berth.engine.models.parallel import SINGLE, TensorParallelGroup
+from berth.engine.pyexecutor import step_inputs
 from berth.engine.pyexecutor.kv_cache import KVCacheManager
-from berth.engine.pyexecutor.llm_request import LlmRequest
-from berth.kernels import AttentionMetadata
+from berth.engine.pyexecutor.sequence import Sequence
+from berth.engine.pyexecutor.step_inputs import StepInputs
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCacheManager, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCacheManager,
+        device: torch.device,
+        tp: TensorParallelGroup = SINGLE,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.tp = tp
 
-    def execute(self, scheduled: list[tuple[LlmRequest, int]]) -> tuple[torch.Tensor, list[LlmRequest]]:
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one step. Returns logits [R, V] for the sequences whose every known token is now
         computed (they sample their next token), and those sequences, in row order."""
+        inputs, samplers = self.prepare(scheduled)
+        if self.tp.size > 1:
+            step_inputs.broadcast(self.tp, inputs)
+        return self.run(inputs), samplers
+
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward pass of one step; logits on rank 0, None on the other ranks."""
+        input_ids, positions, metadata, logits_indices = inputs.on(self.device)
+        return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata, logits_indices)
+
+    def stop_followers(self) -> None:
+        """Rank 0, once its loop has ended in order: every other rank leaves its loop too."""
+        if self.tp.size > 1:
+            step_inputs.broadcast_stop(self.tp)
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepInputs, list[Sequence]]:
         # The attention kernels want multi-token sequences first, then single-token decodes.
         batch = [item for item in scheduled if item[1] > 1] + [item for item in scheduled if item[1] == 1]
         num_prefills = sum(1 for _, n in batch if n > 1)
@@ -30,7 +60,7 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        samplers: list[LlmRequest] = []
+        samplers: list[Sequence] = []
         for request, num_new in batch:
             start = request.num_computed_tokens
             end = start + num_new
@@ -54,24 +84,16 @@ class ModelRunner:
         for row, (request, _) in enumerate(batch):
             block_tables[row, : len(request.block_ids)] = request.block_ids
 
-        def to_device(values, dtype) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        metadata = AttentionMetadata(
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_tables=to_device(block_tables, torch.int32),
-            slot_mapping=to_device(slots, torch.int64),
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.from_numpy(block_tables),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             num_prefills=num_prefills,
-            num_prefill_tokens=query_start_loc[num_prefills],
             max_query_len=max((n for _, n in batch[:num_prefills]), default=1),
             max_seq_len=max(seq_lens),
         )
-        logits = self.model(
-            to_device(input_ids, torch.long),
-            to_device(positions, torch.long),
-            self.kv_cache.kv_caches,
-            metadata,
-            to_device(logits_indices, torch.long),
-        )
-        return logits, samplers
+        return inputs, samplers

@@ -2,8 +2,14 @@
 
 It owns the model and the KV cache and runs on one thread (of a worker process, or of the
 caller's process in single-process mode). Requests come in through the `RequestQueue`;
-every step's responses go out as one batch through `on_responses`. A `RequestError` fails
-one request; any other exception is fatal and ends the loop through `on_fatal`.
+every step's responses go out as one batch through `on_responses`. A failure that belongs to
+one request (a `RequestError`, or anything raised while admitting or sampling it alone) fails
+that request; any other exception is fatal and ends the loop through `on_fatal`.
+
+Sleep and wakeup are control messages on the same queue, taken up between steps: a sleep
+lets the batch drain (or aborts it), then releases memory on every rank; a wakeup restores
+it; each ends with a `TransitionResult` through `on_transition`, after the responses of the
+turn that ended it. A transition that fails half-way leaves the engine FAILED: fatal.
 """
 
 from __future__ import annotations
@@ -15,48 +21,68 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from berth.engine.config import EngineConfig
-from berth.engine.executor.errors import RequestError
-from berth.engine.executor.request import GenerationRequest
-from berth.engine.executor.response import Response, TokenLogprobs
+from berth.engine.engine_io import (
+    AbortRequest,
+    EngineLimits,
+    EngineMemory,
+    EngineStats,
+    GenerationRequest,
+    KVCachePlan,
+    RequestError,
+    Response,
+    Shutdown,
+    Sleep,
+    TokenLogprobs,
+    TransitionError,
+    TransitionResult,
+    Wakeup,
+)
 from berth.engine.models.config import ModelConfig
-from berth.engine.models.loader import load_model
-from berth.engine.pyexecutor.kv_cache import KVCacheManager, plan_num_blocks
-from berth.engine.pyexecutor.llm_request import LlmRequest, RequestState
+from berth.engine.models.parallel import SINGLE, TensorParallelGroup
+from berth.engine.pyexecutor import step_inputs
 from berth.engine.pyexecutor.model_runner import ModelRunner
-from berth.engine.pyexecutor.request_queue import Abort, RequestQueue, Shutdown
+from berth.engine.pyexecutor.rank import build_rank, rank_memory
+from berth.engine.pyexecutor.request_queue import AdmissionState, RequestQueue
 from berth.engine.pyexecutor.sampler import Sampler
 from berth.engine.pyexecutor.scheduler import Scheduler
+from berth.engine.pyexecutor.sequence import Sequence, SequenceState
+from berth.engine.pyexecutor.sleep import (
+    CommitWakeup,
+    DiscardStagedWeights,
+    MemoryAction,
+    RankOutcome,
+    ReleaseMemory,
+    StageWeights,
+    resident_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class EngineStats:
-    """A snapshot sent with every step's responses (for /metrics and /admin/state)."""
-
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    admission: str
-    num_preemptions: int = 0  # since start: a sign the KV pool is too small for the load
-
-
 ResponseSink = Callable[[list[Response], EngineStats], None]
+TransitionSink = Callable[[TransitionResult], None]
+
+
+@dataclass
+class _Parking:
+    """A sleep under way: admission is closed and the batch drains until `deadline`."""
+
+    control: Sleep
+    started: float  # time.monotonic()
+    deadline: float
+    memory_before: EngineMemory
+    num_aborted: int = 0
 
 
 class PyExecutor:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: EngineConfig, model_runner: ModelRunner, kv_cache_plan: KVCachePlan | None = None
+    ) -> None:
         self.config = config
-        self.model_config: ModelConfig = model.config
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
-        self.kv_cache = kv_cache
+        self.model_runner = model_runner
+        self.kv_cache = kv_cache = model_runner.kv_cache
+        self.model_config: ModelConfig = model_runner.model.config
+        self.limits = engine_limits(config, self.model_config, kv_cache.pool.num_blocks, kv_cache_plan)
         self.request_queue = RequestQueue()
         self.scheduler = Scheduler(
             kv_cache,
@@ -65,45 +91,29 @@ class PyExecutor:
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.model_runner = ModelRunner(model, kv_cache, kv_cache.kv_caches.device)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self._active: dict[int, list[LlmRequest]] = {}  # client_id -> its sequences
+        self.memory = rank_memory(model_runner, config)
+        self._active: dict[int, list[Sequence]] = {}  # request_id -> its sequences
         self._shutting_down = False
         self.num_preemptions = 0
+        self.num_computed_tokens = 0
+        self._parking: _Parking | None = None
+        self._waking: Wakeup | None = None  # taken up, carried out in the next turn
+        self._sleep_level = 0  # of the sleep under way or done; 0 while running
+        self.finished_transitions: list[TransitionResult] = []  # sent by `run` after each turn
+        self._state_changed = False  # stats go out after this turn even if it answered nobody
+        self.num_steps = 0
         self._thread: threading.Thread | None = None
         self._start_on_thread: queue.SimpleQueue | None = None  # set by `launch`
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> PyExecutor:
-        device = torch.device(config.resolved_device())
-        model = load_model(config.model, config.dtype, device)
-        mc: ModelConfig = model.config
-        dtype = next(model.parameters()).dtype
-        max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        bytes_per_block = (
-            2 * mc.num_layers * config.kv_block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-        )
-        num_blocks = plan_num_blocks(
-            explicit_blocks=config.kv_cache_blocks,
-            memory_fraction=config.kv_cache_memory_fraction,
-            bytes_per_block=bytes_per_block,
-            max_useful_blocks=config.max_batch_size * -(-max_model_len // config.kv_block_size),
-            device=device,
-        )
-        kv_cache = KVCacheManager(
-            num_blocks,
-            config.kv_block_size,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=dtype,
-            device=device,
-        )
-        return cls(config, model, kv_cache)
+    def from_config(cls, config: EngineConfig, tp: TensorParallelGroup = SINGLE) -> PyExecutor:
+        """The engine of rank 0 of `tp` (of the only rank, by default): see `rank.build_rank`."""
+        return cls(config, *build_rank(config, tp))
 
     @classmethod
-    def launch(cls, config: EngineConfig) -> PyExecutor:
+    def launch(cls, config: EngineConfig, tp: TensorParallelGroup = SINGLE) -> PyExecutor:
         """`from_config` on a new thread, which then runs the loop once `start()` is called.
 
         Why: torch's CPU ops keep one OpenMP thread pool per calling thread. A model built on
@@ -116,7 +126,7 @@ class PyExecutor:
 
         def main() -> None:
             try:
-                engine = cls.from_config(config)
+                engine = cls.from_config(config, tp)
             except BaseException as error:
                 built.put(error)
                 return
@@ -134,13 +144,17 @@ class PyExecutor:
 
     # ---- the loop -----------------------------------------------------------------------------
 
-    def start(self, on_responses: ResponseSink, on_fatal: Callable[[BaseException], None]) -> None:
+    def start(
+        self,
+        on_responses: ResponseSink,
+        on_fatal: Callable[[BaseException], None],
+        on_transition: TransitionSink,
+    ) -> None:
+        sinks = (on_responses, on_fatal, on_transition)
         if self._start_on_thread is not None:  # launched: its thread waits for these
-            self._start_on_thread.put((on_responses, on_fatal))
+            self._start_on_thread.put(sinks)
             return
-        self._thread = threading.Thread(
-            target=self.run, args=(on_responses, on_fatal), name="berth-engine-loop", daemon=True
-        )
+        self._thread = threading.Thread(target=self.run, args=sinks, name="berth-engine-loop", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -149,21 +163,45 @@ class PyExecutor:
             return not self._thread.is_alive()
         return True
 
-    def run(self, on_responses: ResponseSink, on_fatal: Callable[[BaseException], None]) -> None:
+    def run(
+        self,
+        on_responses: ResponseSink,
+        on_fatal: Callable[[BaseException], None],
+        on_transition: TransitionSink,
+    ) -> None:
         try:
             while not self._shutting_down or self.scheduler.has_work():
                 responses = self.iterate()
-                if responses:
+                if responses or self._state_changed:
+                    self._state_changed = False
                     on_responses(responses, self.stats())
+                # After the turn's responses: whoever waits for a sleep hears of the requests it
+                # aborted first.
+                while self.finished_transitions:
+                    on_transition(self.finished_transitions.pop(0))
+            # Only after an ordered end: a loop that failed may have left a collective half
+            # done, and its world is ended by whoever heard of the failure instead.
+            self.model_runner.stop_followers()
         except BaseException as error:
             logger.exception("engine loop failed")
             on_fatal(error)
 
     def iterate(self) -> list[Response]:
-        """One turn of the loop: take what is queued (blocking only while idle), then one step."""
+        """One turn of the loop: take what is queued (blocking only while idle), then one step,
+        then a sleep under way moves on if it can."""
+        if self._waking is not None:
+            # A turn of its own, after the one that took it up: WAKING has gone out with that
+            # turn's stats, so whoever watches them sees it for as long as a reload takes.
+            wakeup, self._waking = self._waking, None
+            self._wake_up(wakeup)
+            return []
+        # A sleep taken up in an earlier turn (whose stats said PARKING) moves on after this one.
+        parking = self._parking
         responses = self._fetch_new_requests()
         if self.scheduler.has_work():
             responses += self.step()
+        if parking is not None:
+            responses += self._continue_sleep()
         return responses
 
     def step(self) -> list[Response]:
@@ -172,101 +210,96 @@ class PyExecutor:
         if not out.scheduled:
             return []
         logits, samplers = self.model_runner.execute(out.scheduled)
-        for request, num_new in out.scheduled:
-            request.num_computed_tokens += num_new
-        sampled = self.sampler.sample(logits, samplers) if samplers else None
+        self.num_steps += 1
+        for sequence, num_new in out.scheduled:
+            sequence.num_computed_tokens += num_new
+        self.num_computed_tokens += out.num_tokens
+        if not samplers:
+            return []
+        sampled = self.sampler.sample(logits, samplers)
         responses = []
-        for i, request in enumerate(samplers):
-            request.state = RequestState.GENERATION_IN_PROGRESS
+        for i, sequence in enumerate(samplers):
+            if sequence.finished:
+                continue  # a sibling's failure ended its request in this loop
+            error = sampled.errors[i]
+            if error is not None:
+                logger.error("request %d failed in sampling: %r", sequence.request_id, error)
+                responses += self._fail(sequence.request_id, _internal(error, "sampling"))
+                continue
+            sequence.state = SequenceState.GENERATION_IN_PROGRESS
             token = sampled.token_ids[i]
-            request.token_ids.append(token)
-            self._check_stop(request, token)
-            response = self._emit_token(request, token, sampled.logprobs[i])
+            sequence.token_ids.append(token)
+            self._check_stop(sequence, token)
+            response = self._emit_token(sequence, token, sampled.logprobs[i])
             if response is not None:
                 responses.append(response)
-            if request.finished:
-                self._retire(request)
+            if sequence.finished:
+                self._retire(sequence)
         return responses
 
     def _fetch_new_requests(self) -> list[Response]:
         """Takes everything queued; blocks only while there is nothing to do."""
-        idle = not self.scheduler.has_work()
+        idle = not self.scheduler.has_work() and self._parking is None
         first = self.request_queue.get(timeout=None if idle else 0)
         items = ([first] if first is not None else []) + self.request_queue.get_nowait_all()
         responses: list[Response] = []
         for item in items:
             if isinstance(item, GenerationRequest):
                 responses += self._activate(item)
-            elif isinstance(item, Abort):
-                responses += self._abort(item.client_id, item.seq_index)
+            elif isinstance(item, AbortRequest):
+                responses += self._abort(item.request_id, item.seq_index)
             elif isinstance(item, Shutdown):
                 # Stop admitting; what is queued or running is aborted so every client hears back.
                 self._shutting_down = True
-                for client_id in list(self._active):
-                    responses += self._abort(client_id, None)
+                responses += self._abort_all(None)
+            elif isinstance(item, Sleep):
+                responses += self._begin_sleep(item)
+            elif isinstance(item, Wakeup):
+                self._waking = item
+                self._state_changed = True
         return responses
 
     # ---- admission at activation: the checks that need the model and the pool ----------------
 
     def _activate(self, request: GenerationRequest) -> list[Response]:
+        """A request that cannot run fails here, alone, whatever let it through: every field is
+        checked again (a request unpickled from a socket ran no validation) and so is every
+        limit, and an unexpected failure while admitting it is its own."""
         if self._shutting_down:
-            return [_error(request.client_id, "engine is shutting down", "admission_closed")]
+            error = RequestError("engine is shutting down", "admission_closed")
+            return [Response(request.request_id, 0, [], error=error)]
         try:
             group = self._make_sequences(request)
         except RequestError as error:
-            return [_error(request.client_id, str(error), error.code)]
-        self._active[request.client_id] = group
+            return [Response(request.request_id, 0, [], error=error)]
+        except ValueError as error:
+            return [Response(request.request_id, 0, [], error=RequestError(str(error)))]
+        except Exception as error:
+            logger.exception("request %d failed while being admitted", request.request_id)
+            return [Response(request.request_id, 0, [], error=_internal(error, "admission"))]
+        self._active[request.request_id] = group
         self.scheduler.add(group)
         return []
 
-    def _make_sequences(self, request: GenerationRequest) -> list[LlmRequest]:
+    def _make_sequences(self, request: GenerationRequest) -> list[Sequence]:
+        if request.request_id in self._active:
+            raise RequestError(f"request id {request.request_id} is already active")
+        request.validate()
+        max_tokens = self.limits.check(request)
         params = request.sampling_params
         prompt = request.prompt_token_ids.tolist()
-        num_prompt = len(prompt)
-        vocab_size = self.model_config.vocab_size
-        if request.client_id in self._active:
-            raise RequestError(f"request id {request.client_id} is already active")
-        if max(prompt) >= vocab_size:
-            bad = next(t for t in prompt if t >= vocab_size)
-            raise RequestError(
-                f"prompt token id {bad} is out of range for the vocabulary (size {vocab_size})"
-            )
-        if params.n > self.config.max_batch_size:
-            raise RequestError(f"n={params.n} exceeds max_batch_size={self.config.max_batch_size}")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
-                f"exceeds the model's maximum length of {self.max_model_len} tokens",
-                "too_long",
-            )
-        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_tokens:
-            raise RequestError(
-                f"prompt ({num_prompt} tokens) exceeds max_num_tokens={self.config.max_num_tokens} "
-                "and chunked prefill is disabled",
-                "too_long",
-            )
-        # The last sampled token is never written to the cache.
-        blocks_needed = self.kv_cache.blocks_for(num_prompt + max_tokens - 1)
-        capacity = self.kv_cache.pool.num_blocks
-        if blocks_needed > capacity:
-            raise RequestError(
-                f"request can never fit in the KV cache: it needs {blocks_needed} blocks of "
-                f"{self.kv_cache.block_size} tokens (prompt {num_prompt} + max_tokens {max_tokens}) "
-                f"but the pool holds {capacity} blocks",
-                "too_long",
-            )
-        group: list[LlmRequest] = []
+        group: list[Sequence] = []
         for index in range(params.n):
             group.append(
-                LlmRequest(
-                    request.client_id,
+                Sequence(
+                    request.request_id,
                     index,
                     prompt,
                     params,
                     priority=request.priority,
                     max_tokens=max_tokens,
                     arrival_time=request.arrival_time,
+                    cache_salt=request.cache_salt,
                     group=group,
                 )
             )
@@ -276,81 +309,266 @@ class PyExecutor:
 
     # ---- finishing -----------------------------------------------------------------------------
 
-    def _check_stop(self, request: LlmRequest, token: int) -> None:
-        params = request.params
+    def _check_stop(self, sequence: Sequence, token: int) -> None:
+        params = sequence.params
         if token in params.stop_token_ids:
-            request.finish("stop", token)
+            sequence.finish("stop", token)
         elif token in self.eos_token_ids and not params.ignore_eos:
-            request.finish("stop")
-        elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.finish("length")
+            sequence.finish("stop")
+        elif sequence.num_output_tokens >= sequence.max_tokens:  # the budget keeps within max_model_len
+            sequence.finish("length")
 
-    def _emit_token(self, request: LlmRequest, token: int, logprobs: TokenLogprobs | None) -> Response | None:
+    def _emit_token(self, sequence: Sequence, token: int, logprobs: TokenLogprobs | None) -> Response | None:
         """Streamed sequences get every token at once; others get all of theirs when they finish."""
         if logprobs is not None:
-            request.unsent_logprobs.append(logprobs)
-        if request.first_token_time is None:
-            request.first_token_time = time.time()
-        if not (request.streaming or request.finished):
+            sequence.unsent_logprobs.append(logprobs)
+        if not (sequence.streaming or sequence.finished):
             return None
-        return self._response(request)
+        return self._response(sequence)
 
-    def _response(self, request: LlmRequest) -> Response:
-        unsent = request.token_ids[request.num_prompt_tokens + request.num_sent_tokens :]
+    def _response(self, sequence: Sequence) -> Response:
+        unsent = sequence.token_ids[sequence.num_prompt_tokens + sequence.num_sent_tokens :]
         response = Response(
-            request.client_id,
-            request.seq_index,
+            sequence.request_id,
+            sequence.seq_index,
             unsent,
-            logprobs=request.unsent_logprobs or None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
+            logprobs=sequence.unsent_logprobs or None,
+            finish_reason=sequence.finish_reason,
+            stop_reason=sequence.stop_reason,
         )
-        if request.num_sent_tokens == 0 and unsent:
-            response.first_token_time = request.first_token_time
-        if not request.sent_any:
+        if not sequence.sent_any:
             response.queue_seconds = max(
-                0.0, (request.first_scheduled_time or time.time()) - request.arrival_time
+                0.0, (sequence.first_scheduled_time or time.time()) - sequence.arrival_time
             )
-            request.sent_any = True
-        request.num_sent_tokens += len(unsent)
-        request.unsent_logprobs = []
+            sequence.sent_any = True
+        sequence.num_sent_tokens += len(unsent)
+        sequence.unsent_logprobs = []
         return response
 
-    def _retire(self, request: LlmRequest) -> None:
-        self.scheduler.remove(request)
-        group = self._active.get(request.client_id)
+    def _retire(self, sequence: Sequence) -> None:
+        self.scheduler.remove(sequence)
+        group = self._active.get(sequence.request_id)
         if group is not None and all(s.finished for s in group):
-            del self._active[request.client_id]
+            del self._active[sequence.request_id]
 
-    def _abort(self, client_id: int, seq_index: int | None) -> list[Response]:
-        group = self._active.get(client_id)
+    def _abort_all(self, reason: str | None) -> list[Response]:
+        responses = []
+        for request_id in list(self._active):
+            responses += self._abort(request_id, None, reason)
+        return responses
+
+    def _abort(self, request_id: int, seq_index: int | None, reason: str | None = None) -> list[Response]:
+        group = self._active.get(request_id)
         if group is None:
             logger.debug(
-                "abort for request %d, which is not active (finished or unknown): ignored", client_id
+                "abort for request %d, which is not active (finished or unknown): ignored", request_id
             )
             return []
         responses = []
         for sequence in group:
             if sequence.finished or (seq_index is not None and sequence.seq_index != seq_index):
                 continue
-            sequence.finish("abort")
+            sequence.finish("abort", reason)
             responses.append(self._response(sequence))
             self._retire(sequence)
         return responses
+
+    def _fail(self, request_id: int, error: RequestError) -> list[Response]:
+        """Ends every sequence of one request with `error` (the batch goes on)."""
+        for sequence in self._active.pop(request_id, []):
+            if not sequence.finished:
+                sequence.finish("abort")
+                self.scheduler.remove(sequence)
+        return [Response(request_id, 0, [], error=error)]
+
+    # ---- sleep and wakeup ---------------------------------------------------------------------
+
+    def _begin_sleep(self, control: Sleep) -> list[Response]:
+        """Admission closed when the sleep was queued (PARKING); the batch drains from here."""
+        now = time.monotonic()
+        self._parking = _Parking(control, now, now + control.drain_timeout, self.memory.memory())
+        self._sleep_level = control.level
+        self._state_changed = True  # PARKING reaches the stats now, even if no step answers anyone
+        if control.mode != "abort":
+            return []
+        return self._abort_for_sleep(
+            f"aborted: the engine is going to sleep (level {control.level}, mode abort)"
+        )
+
+    def _continue_sleep(self) -> list[Response]:
+        parking = self._parking
+        if self._shutting_down:  # a shutdown came first: there is nothing to sleep for
+            self._parking = None
+            self._refuse(parking.control, "the engine is shutting down", AdmissionState.SHUTDOWN)
+            return []
+        responses: list[Response] = []
+        if self.scheduler.has_work():
+            if time.monotonic() < parking.deadline:
+                return []
+            responses = self._abort_for_sleep(
+                f"aborted: the engine went to sleep and its drain timeout "
+                f"({parking.control.drain_timeout:g} s) passed before this request finished"
+            )
+        self._parking = None
+        drain_seconds = time.monotonic() - parking.started
+        self._on_every_rank(ReleaseMemory(parking.control.level), "release memory for a sleep")
+        if self._move(AdmissionState.PARKING, AdmissionState.PARKED):
+            self._report(
+                parking.control, parking.started, parking.memory_before, drain_seconds, parking.num_aborted
+            )
+        return responses
+
+    def _abort_for_sleep(self, reason: str) -> list[Response]:
+        self._parking.num_aborted += len(self._active)
+        return self._abort_all(reason)
+
+    def _wake_up(self, control: Wakeup) -> None:
+        """WAKING since it was queued; the engine is idle (nothing is admitted while asleep)."""
+        if self._shutting_down:
+            self._refuse(control, "the engine is shutting down", AdmissionState.SHUTDOWN)
+            return
+        started, before = time.monotonic(), self.memory.memory()
+        staged = self.memory_actions(StageWeights(control.model))
+        failed = [outcome for outcome in staged if outcome.error is not None]
+        if failed:
+            self._on_every_rank(DiscardStagedWeights(), "drop the weights staged for a wakeup")
+            errors = _rank_errors(failed)
+            if control.model is None:  # the engine's own weights could not be restored
+                self._fail_transition(f"wakeup failed: {errors}")
+            if self._move(AdmissionState.WAKING, AdmissionState.PARKED):
+                message = (
+                    f"cannot wake up with {control.model}: {errors}. The engine is still parked and "
+                    "can wake up with the weights it had"
+                )
+                self._refuse(control, message, AdmissionState.PARKED, code="invalid_model")
+            return
+        self._on_every_rank(CommitWakeup(), "restore memory for a wakeup")
+        self.model_config = self.memory.model_config  # a new revision may stop on other tokens
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._sleep_level = 0
+        if self._move(AdmissionState.WAKING, AdmissionState.RUNNING):
+            self._report(control, started, before)
+
+    def memory_actions(self, action: MemoryAction) -> list[RankOutcome]:
+        """Runs `action` on every rank of the world, between steps; every rank's outcome, by rank.
+        Rank 0 broadcasts it (plain data), each rank runs it on its own shard and KV cache
+        (`rank.follow`), and the outcomes are gathered back here."""
+        tp = self.model_runner.tp
+        if tp.size > 1:
+            step_inputs.broadcast_memory_action(tp, action)
+        return tp.all_gather_objects(self.memory.apply(action))
+
+    def _on_every_rank(self, action: MemoryAction, doing: str) -> None:
+        """`action` everywhere; one rank's failure fails the world (FAILED, then fatal)."""
+        failed = [outcome for outcome in self.memory_actions(action) if outcome.error is not None]
+        if failed:
+            self._fail_transition(f"could not {doing}: {_rank_errors(failed)}")
+
+    def _fail_transition(self, message: str) -> None:
+        self.request_queue.fail()
+        raise RuntimeError(message)
+
+    def _move(self, expected: AdmissionState, target: AdmissionState) -> bool:
+        """The loop's own compare-and-set; False when a shutdown came in between (it wins).
+        Every change of state goes out in the stats (attach frontends follow admission there)."""
+        try:
+            self.request_queue.transition(expected, target)
+        except RuntimeError:
+            if self.request_queue.admission_state is AdmissionState.SHUTDOWN:
+                return False
+            raise
+        self._state_changed = True
+        return True
+
+    def _report(
+        self,
+        control: Sleep | Wakeup,
+        started: float,
+        before: EngineMemory,
+        drain_seconds: float = 0.0,
+        num_aborted: int = 0,
+    ) -> None:
+        self.finished_transitions.append(
+            TransitionResult(
+                transition_id=control.transition_id,
+                kind=control.kind,
+                admission=self.request_queue.admission_state.value,
+                seconds=time.monotonic() - started,
+                drain_seconds=drain_seconds,
+                num_aborted=num_aborted,
+                memory_before=before,
+                memory_after=self.memory.memory(),
+                model_revision=self.memory.revision,
+                stats=self.stats(),
+            )
+        )
+
+    def _refuse(
+        self, control: Sleep | Wakeup, message: str, state: AdmissionState, code: str = "conflict"
+    ) -> None:
+        self.finished_transitions.append(
+            TransitionResult(
+                transition_id=control.transition_id,
+                kind=control.kind,
+                admission=state.value,
+                error=TransitionError(message, code, state.value),
+                model_revision=self.memory.revision,
+                stats=self.stats(),
+            )
+        )
 
     # ---- control and introspection ------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
+        queue = self.request_queue
+        collectives = self.model_runner.tp.counters
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_used=pool.num_used,
             kv_blocks_total=pool.num_blocks,
-            admission=self.request_queue.admission_state.value,
+            admission=queue.admission_state.value,
+            kv_blocks_cached=pool.num_cached,
             num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_computed_tokens=self.num_computed_tokens,
+            num_steps=self.num_steps,
+            num_all_reduces=collectives.all_reduces,
+            all_reduce_seconds=collectives.all_reduce_seconds,
+            other_collective_seconds=collectives.other_seconds,
+            timestamp=time.time(),
+            admission_since=queue.admission_since,
+            sleep_level=self._sleep_level,
+            kv_cache_bytes=self.kv_cache.nbytes if self.kv_cache.is_allocated else 0,
+            weight_bytes=self.memory.weight_bytes,
+            model_revision=self.memory.revision,
+            transitions=dict(queue.transitions),
+            resident_bytes=resident_bytes(),
         )
 
 
-def _error(client_id: int, message: str, code: str) -> Response:
-    return Response(client_id, 0, [], error=message, error_code=code)
+def engine_limits(
+    config: EngineConfig, model: ModelConfig, num_kv_blocks: int, kv_cache: KVCachePlan | None = None
+) -> EngineLimits:
+    return EngineLimits(
+        max_model_len=config.max_model_len_for(model.max_position_embeddings),
+        vocab_size=model.vocab_size,
+        max_batch_size=config.max_batch_size,
+        max_num_tokens=config.max_num_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        kv_block_size=config.kv_block_size,
+        num_kv_blocks=num_kv_blocks,
+        kv_cache=kv_cache,
+    )
+
+
+def _internal(error: BaseException, where: str) -> RequestError:
+    """An unexpected failure that belongs to one request. Its message is the engine's log's:
+    clients learn that it failed, not how the engine is built."""
+    return RequestError(f"the engine failed on this request ({where}); see the engine's log", "internal")
+
+
+def _rank_errors(failed: list[RankOutcome]) -> str:
+    return "; ".join(f"rank {outcome.rank}: {outcome.error}" for outcome in failed)

@@ -1,4 +1,9 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, seeds, log-probabilities."""
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, seeds, log-probabilities.
+
+A failure is isolated to the sequences it belongs to: when sampling the batch fails, each row
+is sampled alone; the rows that still fail are reported (their requests fail, the batch goes
+on). A failure every row has is not one request's: it is raised.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from berth.engine.executor.response import TokenLogprobs
-from berth.engine.pyexecutor.llm_request import LlmRequest
+from berth.engine.engine_io import TokenLogprobs
+from berth.engine.pyexecutor.sequence import Sequence
 
 
 @dataclass
 class SampleOutput:
-    token_ids: list[int]
+    token_ids: list[int | None]  # None: that row's sampling failed (see `errors`)
     logprobs: list[TokenLogprobs | None]
+    errors: list[BaseException | None]
 
 
 class Sampler:
@@ -21,30 +27,58 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, requests: list[LlmRequest]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, requests: list[Sequence]) -> SampleOutput:
         """One token per row of `logits` [R, V] (float32), for `requests[r]`."""
+        seeded = [r for r in requests if r.seed is not None]
+        states = [None if r.generator is None else r.generator.get_state() for r in seeded]
+        try:
+            return self._sample(logits, requests)
+        except Exception as error:
+            if len(requests) == 1:
+                raise
+            batch_error = error
+        # A seeded sequence draws again from where it was: its tokens stay its own.
+        for request, state in zip(seeded, states):
+            if state is None:
+                request.generator = None
+            else:
+                request.generator.set_state(state)
+        out = SampleOutput([None] * len(requests), [None] * len(requests), [None] * len(requests))
+        for row, request in enumerate(requests):
+            try:
+                alone = self._sample(logits[row : row + 1], [request])
+            except Exception as error:
+                out.errors[row] = error
+                continue
+            out.token_ids[row], out.logprobs[row] = alone.token_ids[0], alone.logprobs[0]
+        if all(error is not None for error in out.errors):
+            raise batch_error
+        return out
+
+    def _sample(self, logits: torch.Tensor, requests: list[Sequence]) -> SampleOutput:
         params = [r.params for r in requests]
         greedy = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)
-        if not all(greedy):
-            tokens = torch.where(
-                torch.tensor(greedy, device=logits.device), tokens, self._random(logits, requests)
-            )
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            tokens[rows] = self._random(logits[rows], [requests[i] for i in sampled])
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             self._logprobs(logits, tokens, params, wanted, token_list, logprobs)
-        return SampleOutput(token_list, logprobs)
+        return SampleOutput(token_list, logprobs, [None] * len(requests))
 
-    def _random(self, logits: torch.Tensor, requests: list[LlmRequest]) -> torch.Tensor:
+    def _random(self, logits: torch.Tensor, requests: list[Sequence]) -> torch.Tensor:
         params = [r.params for r in requests]
         device = logits.device
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        temperature = torch.tensor([p.temperature for p in params], device=device)
         scaled = logits / temperature[:, None]
-        top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+        vocab_size = logits.shape[-1]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
-        if any(k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
+        if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
             scaled = _apply_top_k_top_p(
                 scaled, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)
             )

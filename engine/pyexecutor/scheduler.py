@@ -2,10 +2,10 @@
 
 Budgets per step: `max_batch_size` running sequences and `max_num_tokens` tokens. Running
 sequences go first, most important first (arrival order, or priority then arrival); each
-takes the tokens it has not computed yet, up to the budget left (chunked prefill). When the
-KV pool cannot hold a running sequence's next tokens, the least important running sequence
-is preempted (its blocks freed, recomputed later) until it can. Waiting groups are admitted
-only in steps without preemption, whole or not at all.
+takes the tokens it has not computed yet, up to the budget left (chunked prefill; without
+it, all of them or none this step). When the KV pool cannot hold a running sequence's next
+tokens, the least important running sequence is preempted (its blocks freed, recomputed
+later) until it can. Waiting groups are admitted only in steps without preemption.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass, field
 
 from berth.engine.pyexecutor.kv_cache import KVCacheManager
-from berth.engine.pyexecutor.llm_request import LlmRequest, RequestState
+from berth.engine.pyexecutor.sequence import Sequence, SequenceState
 from berth.engine.pyexecutor.waiting_queue import Group, WaitingQueue, create_waiting_queue
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[LlmRequest, int]] = field(default_factory=list)  # (sequence, new tokens)
-    preempted: list[LlmRequest] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -44,12 +44,12 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: WaitingQueue = create_waiting_queue(policy)
-        self.running: list[LlmRequest] = []  # most important first
+        self.running: list[Sequence] = []  # most important first
         self._by_priority = policy == "priority"
 
-    def _importance(self, request: LlmRequest) -> tuple[float, int]:
+    def _importance(self, sequence: Sequence) -> tuple[float, int]:
         """Sort key: smaller is more important (scheduled first, preempted last)."""
-        return (-request.priority if self._by_priority else 0.0, request.arrival_order)
+        return (-sequence.priority if self._by_priority else 0.0, sequence.arrival_order)
 
     @property
     def num_waiting(self) -> int:
@@ -64,76 +64,93 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_tokens
-        for request in list(self.running):
+        for sequence in list(self.running):
             if budget == 0:
                 break
-            if request.state is RequestState.WAITING:
+            if sequence.state is SequenceState.WAITING:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, num_new, out):
+            num_new = self._tokens_to_compute(sequence, sequence.num_computed_tokens, budget)
+            if num_new == 0 or not self._make_room(sequence, num_new, out):
                 continue
-            out.scheduled.append((request, num_new))
+            out.scheduled.append((sequence, num_new))
             budget -= num_new
         if not out.preempted:
             self._admit_waiting(out, budget)
         now = time.time()
-        for request, _ in out.scheduled:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
+        for sequence, _ in out.scheduled:
+            if sequence.first_scheduled_time is None:
+                sequence.first_scheduled_time = now
         return out
 
-    def _make_room(self, request: LlmRequest, num_new: int, out: SchedulerOutput) -> bool:
-        """Preempts the least important running sequences until `request` fits; False if it was
+    def _tokens_to_compute(self, sequence: Sequence, num_computed: int, budget: int) -> int:
+        """How many of the sequence's uncomputed tokens this step takes: all of them if the budget
+        allows, else as many as it allows (chunked prefill) or none (without chunking, a step
+        holds a whole sequence: the engine's max_num_tokens is at least max_model_len)."""
+        remaining = sequence.num_tokens - num_computed
+        if remaining <= budget:
+            return remaining
+        return budget if self.enable_chunked_prefill else 0
+
+    def _make_room(self, sequence: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempts the least important running sequences until `sequence` fits; False if it was
         itself preempted."""
-        while not self.kv_cache.try_allocate(request, num_new):
+        while not self.kv_cache.try_allocate(sequence, num_new):
             victim = self.running[-1]
             self.preempt(victim)
             out.preempted.append(victim)
-            if victim is request:
+            if victim is sequence:
                 return False
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits waiting groups, first in line first, while seats, tokens and blocks allow.
+
+        A group's sequences take their seats together, or none does. Each starts from its cached
+        prefix (so an `n > 1` request's later sequences reuse the blocks of the prompt its
+        first one is computing). The first must get the blocks of its first chunk now, or the
+        group waits; the others take theirs now if the pool has them, else in later steps like
+        any running sequence. So a group never waits for a pool its sequences could fill one
+        after the other.
+        """
+        kv = self.kv_cache
         while len(self.waiting) and budget > 0:
             group = self.waiting.peek()
             if len(self.running) + len(group) > self.max_batch_size:
                 return
-            plan, left = [], budget
-            for request in group:
-                num_new = min(request.num_tokens, left)
-                if not self.enable_chunked_prefill and num_new < request.num_tokens:
-                    num_new = 0  # the whole prompt or nothing: wait for a step with room
-                plan.append((request, num_new))
-                left -= num_new
-            if left == budget:
-                return
-            blocks = sum(self.kv_cache.new_blocks_needed(r, n) for r, n in plan)
-            if blocks > self.kv_cache.pool.num_free:
-                return
-            self.waiting.pop()
-            for request, num_new in plan:
-                self.kv_cache.try_allocate(request, num_new)
-                request.state = RequestState.CONTEXT_IN_PROGRESS
-                bisect.insort(self.running, request, key=self._importance)
+            for index, sequence in enumerate(group):
+                prefix = kv.cached_prefix(sequence)
+                num_new = self._tokens_to_compute(sequence, len(prefix) * kv.block_size, budget)
+                if kv.free_blocks_to_admit(prefix, num_new) > kv.pool.num_free or num_new == 0:
+                    if index == 0:
+                        return  # nothing taken yet: the whole group waits for room
+                    num_new = 0
+                    if kv.free_blocks_to_admit(prefix, 0) > kv.pool.num_free:
+                        prefix = []
+                if index == 0:
+                    self.waiting.pop()
+                kv.admit(sequence, prefix)
+                kv.try_allocate(sequence, num_new)  # fits: checked above
+                sequence.state = SequenceState.CONTEXT_IN_PROGRESS
+                bisect.insort(self.running, sequence, key=self._importance)
                 if num_new:
-                    out.scheduled.append((request, num_new))
-            budget = left
+                    out.scheduled.append((sequence, num_new))
+                    budget -= num_new
 
-    def preempt(self, request: LlmRequest) -> None:
-        self.running.remove(request)
-        self.kv_cache.free(request)
-        request.reset_for_recompute()
-        self.waiting.prepend([request])
+    def preempt(self, sequence: Sequence) -> None:
+        self.running.remove(sequence)
+        self.kv_cache.free(sequence)
+        sequence.reset_for_recompute()
+        self.waiting.prepend([sequence])
 
-    def remove(self, request: LlmRequest) -> None:
+    def remove(self, sequence: Sequence) -> None:
         """Takes a finished or aborted sequence out of the running set or the waiting queue."""
-        if request in self.running:
-            self.running.remove(request)
+        if sequence in self.running:
+            self.running.remove(sequence)
         else:
             for group in self.waiting:
-                if request in group:
-                    group.remove(request)
+                if sequence in group:
+                    group.remove(sequence)
                     if not group:
                         self.waiting.remove(group)
                     break
-        self.kv_cache.free(request)
+        self.kv_cache.free(sequence)

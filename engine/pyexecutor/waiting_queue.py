@@ -7,9 +7,9 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from berth.engine.pyexecutor.llm_request import LlmRequest
+from berth.engine.pyexecutor.sequence import Sequence
 
-Group = list[LlmRequest]
+Group = list[Sequence]
 
 
 class FCFSWaitingQueue:

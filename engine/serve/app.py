@@ -7,6 +7,8 @@ from fastapi.openapi.utils import get_openapi
 
 from berth import __version__
 from berth.engine.serve import admin, chat, completions, health, models
+from berth.engine.serve.auth import Authentication
+from berth.engine.serve.body_limit import BodyLimit
 from berth.engine.serve.context import ServingContext
 from berth.engine.serve.errors import install_error_handlers
 
@@ -23,6 +25,9 @@ def build_app(ctx: ServingContext) -> FastAPI:
     install_error_handlers(app)
     for room in (models, completions, chat, health, admin):
         app.include_router(room.router)
+    # The last added runs first: who is asking, then how much they send, then the routes.
+    app.add_middleware(BodyLimit, max_bytes=ctx.max_request_body_bytes)
+    app.add_middleware(Authentication, api_key=ctx.api_key, admin_token=ctx.admin_token)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -1,35 +1,68 @@
 """Bearer-token checks: the API key for `/v1`, the admin token for `/admin`.
 
-Either is off when not configured. Tokens are compared in constant time.
+They run before anything else reads the request, its body included: a client without the
+key learns nothing about what it sent, not even that it was malformed. Either check is off
+when its token is not configured. Tokens are compared in constant time.
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
 
-from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Security
+from fastapi.security import HTTPBearer
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from berth.engine.serve.context import serving
 from berth.engine.serve.errors import APIError
 
-_bearer = HTTPBearer(auto_error=False, description="the server's --api-key (or admin token for /admin)")
-Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+# Enforced by `Authentication` below; the routes name it so the OpenAPI document shows it.
+bearer = HTTPBearer(auto_error=False, description="the server's --api-key (or admin token for /admin)")
+BEARER = [Security(bearer)]
 
 
-def _matches(credentials: HTTPAuthorizationCredentials | None, expected: str) -> bool:
-    given = credentials.credentials if credentials is not None else ""
+class Authentication:
+    """ASGI middleware: a 401 for a /v1 or /admin request without the right bearer token."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, admin_token: str | None) -> None:
+        self.app = app
+        self._api_key = api_key
+        self._admin_token = admin_token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await refusal.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        path = scope["path"]
+        if _under(path, "/v1"):
+            expected, error = (
+                self._api_key,
+                APIError(401, "Incorrect API key provided.", code="invalid_api_key"),
+            )
+        elif _under(path, "/admin"):
+            expected, error = (
+                self._admin_token,
+                APIError(401, "Incorrect admin token.", code="invalid_admin_token"),
+            )
+        else:
+            return None
+        return error if expected and not _matches(_bearer_token(scope), expected) else None
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def _bearer_token(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+def _matches(given: str, expected: str) -> bool:
     return secrets.compare_digest(given.encode(), expected.encode())
-
-
-def require_api_key(request: Request, credentials: Credentials) -> None:
-    expected = serving(request).api_key
-    if expected and not _matches(credentials, expected):
-        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-
-
-def require_admin_token(request: Request, credentials: Credentials) -> None:
-    expected = serving(request).admin_token
-    if expected and not _matches(credentials, expected):
-        raise APIError(401, "Incorrect admin token.", code="invalid_admin_token")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from berth.engine.serve.auth import require_api_key
+from berth.engine.serve.auth import BEARER
 from berth.engine.serve.completions import STREAM_DOC
 from berth.engine.serve.context import ServingContext, serving
 from berth.engine.serve.errors import bad_request, documented
@@ -26,21 +27,23 @@ from berth.engine.serve.protocol import (
 from berth.engine.serve.sampling import admit, check_token_ids, resolve_max_tokens, sampling_params
 from berth.engine.serve.streaming import sse_response
 
-router = APIRouter(dependencies=[Depends(require_api_key)], responses=documented(400, 401, 404, 503))
+router = APIRouter(dependencies=BEARER, responses=documented(400, 401, 404, 413, 503))
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAM_DOC)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     ctx = serving(request)
     admit(ctx, body)
-    prompt = check_token_ids(ctx, _render(ctx, body), "messages")
+    # Rendering and tokenizing a long chat takes long: off the event loop, so probes go on.
+    prompt = check_token_ids(ctx, await asyncio.to_thread(_render, ctx, body), "messages")
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(
         ctx, getattr(body, budget_param), len(prompt), param=budget_param, prompt_param="messages"
     )
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs)
-    generation = Generation(ctx, [prompt], [params], prompt_param="messages")
+    names = {"prompt": "messages", "max_tokens": budget_param}
+    generation = Generation(ctx, [prompt], [params], names=names, cache_salt=body.cache_salt)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     try:
         if body.stream:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from berth.engine.outputs import CompletionOutput, RequestOutput
-from berth.engine.serve.auth import require_api_key
+from berth.engine.serve.auth import BEARER
 from berth.engine.serve.context import ServingContext, serving
 from berth.engine.serve.errors import documented
 from berth.engine.serve.generation import Generation, unless_disconnected
@@ -18,7 +19,7 @@ from berth.engine.serve.protocol import CompletionChoice, CompletionRequest, Com
 from berth.engine.serve.sampling import admit, check_token_ids, resolve_max_tokens, sampling_params
 from berth.engine.serve.streaming import sse_response
 
-router = APIRouter(dependencies=[Depends(require_api_key)], responses=documented(400, 401, 404, 503))
+router = APIRouter(dependencies=BEARER, responses=documented(400, 401, 404, 413, 503))
 
 STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true"}}
 
@@ -27,7 +28,9 @@ STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, 
 async def create_completion(body: CompletionRequest, request: Request):
     ctx = serving(request)
     admit(ctx, body)
-    prompts = [check_token_ids(ctx, ids, "prompt") for ids in _prompt_token_ids(ctx, body.prompt)]
+    # Tokenizing a long text takes long: off the event loop, so probes and streams go on.
+    prompt_ids = await asyncio.to_thread(_prompt_token_ids, ctx, body.prompt)
+    prompts = [check_token_ids(ctx, ids, "prompt") for ids in prompt_ids]
     params = [
         sampling_params(
             body,
@@ -38,7 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         )
         for p in prompts
     ]
-    generation = Generation(ctx, prompts, params, prompt_param="prompt")
+    generation = Generation(ctx, prompts, params, names={}, cache_salt=body.cache_salt)
     reply = CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=ctx.model_name, choices=[]
     )
@@ -81,7 +84,10 @@ async def _chunks(
     body: CompletionRequest, generation: Generation, reply: CompletionResponse
 ) -> AsyncIterator[CompletionResponse]:
     latest: dict[int, RequestOutput] = {}
-    text_offsets: dict[int, int] = {}  # choice index -> length of its text streamed so far
+    # choice index -> the text offset of its next token: where the last one's ends, as the
+    # non-streamed answer counts them. Not the length of the text streamed so far: that holds
+    # back a token ending inside a UTF-8 character, whose logprob entry is already out.
+    logprob_offsets: dict[int, int] = {}
     done: set[int] = set()
     async for prompt_index, output in generation:
         latest[prompt_index] = output
@@ -93,8 +99,9 @@ async def _chunks(
             logprobs = None
             if body.logprobs is not None:
                 start = len(seq.token_ids) - len(seq.token_ids_diff)
-                logprobs = completion_logprobs(seq, start, text_offsets.get(index, 0))
-            text_offsets[index] = text_offsets.get(index, 0) + len(seq.text_diff)
+                logprobs = completion_logprobs(seq, start, logprob_offsets.get(index, 0))
+                if logprobs.tokens:
+                    logprob_offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
             if seq.finished:
                 done.add(index)
             choice = CompletionChoice(

@@ -1,4 +1,4 @@
-"""What every route needs: the engine, the model's limits, the metrics, the server's state."""
+"""What every route needs: the engine, its limits, the metrics, the server's state."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from berth.engine.models.config import ModelConfig
+from berth.engine.engine_io import EngineLimits
+from berth.engine.serve.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from berth.engine.serve.errors import APIError, unavailable
 from berth.engine.serve.metrics import ServerMetrics
 
@@ -17,11 +18,10 @@ class ServingContext:
     llm: object  # berth.engine.LLM (not imported: the type would pull torch into this module)
     model_name: str
     model_path: str
-    max_model_len: int
-    vocab_size: int
     metrics: ServerMetrics
     api_key: str | None = None
     admin_token: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     draining: bool = False  # set on SIGTERM: readiness drops, new requests are refused
     # The engine requests in flight, by the task that reads each to its end (even after its
     # HTTP request is gone). asyncio holds tasks weakly: they are kept here until done.
@@ -30,26 +30,27 @@ class ServingContext:
     @classmethod
     def for_llm(cls, llm, model_name: str | None = None, **options) -> ServingContext:
         model_path = str(llm.config.model)
-        model = ModelConfig.from_pretrained(model_path)
-        # The engine's own rule (PyExecutor): the configured limit, never past the model's positions.
-        limit = llm.config.max_model_len or model.max_position_embeddings
         return cls(
             llm=llm,
             model_name=model_name or model_path,
             model_path=model_path,
-            max_model_len=min(limit, model.max_position_embeddings),
-            vocab_size=model.vocab_size,
             metrics=ServerMetrics(model_name or model_path),
             **options,
         )
+
+    @property
+    def limits(self) -> EngineLimits:
+        """As the engine reported them when it started (an attached frontend's: the engine it is
+        attached to now): the server checks the same."""
+        return self.llm.limits
 
     @property
     def tokenizer(self):
         return self.llm.tokenizer
 
     @property
-    def max_batch_size(self) -> int:
-        return self.llm.config.max_batch_size
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -11,8 +12,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from berth.engine.executor.errors import EngineDeadError, RequestError
-from berth.engine.serve.protocol import ErrorInfo, ErrorResponse
+from berth.engine.engine_io import RequestError
+from berth.engine.executor.errors import EngineDeadError
+from berth.engine.serve.protocol import PROMPT_SHAPES, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +27,12 @@ def documented(*statuses: int) -> dict[int | str, dict]:
     meaning = {
         400: "An invalid parameter (named in `param`), or a prompt too long for the model",
         401: "A missing or wrong bearer token",
+        403: "Asked of an attached frontend: the engine's owner alone sleeps and wakes the engine",
         404: "An unknown model",
-        503: "The engine does not admit requests now (shutting down, or dead); see Retry-After",
+        409: "The engine is not in the state this transition starts from (another one runs)",
+        413: "A request body larger than the server's limit (--max-request-body-bytes)",
+        503: "The engine does not admit requests now (asleep, shutting down, or dead); see Retry-After",
+        504: "The engine did not finish the transition in time",
     }
     return {status: {"model": ErrorResponse, "description": meaning[status]} for status in statuses}
 
@@ -55,7 +61,15 @@ class APIError(Exception):
         )
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+        return ErrorJSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON in ASCII (non-ASCII characters escaped): whatever text an error quotes, encoding it
+    can never fail and turn a 4xx into a 500."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 class ClientDisconnected(Exception):
@@ -70,29 +84,58 @@ def unavailable(message: str, code: str) -> APIError:
     return APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def from_engine_error(error: BaseException, param: str | None = None) -> APIError:
-    """The status for an error the engine raised for one request."""
+def from_engine_error(error: BaseException, names: dict[str, str] | None = None) -> APIError:
+    """The status for an error the engine raised for one request. `names` maps the engine's
+    field names ("prompt", "max_tokens") to this API's ("messages", "max_completion_tokens")."""
     if isinstance(error, EngineDeadError):  # a restarted world will admit again: retry later
         return unavailable(str(error), "engine_dead")
     if isinstance(error, RequestError):
+        param = (names or {}).get(error.param, error.param)
         if error.code == "admission_closed":
             return unavailable(str(error), "admission_closed")
         if error.code == "too_long":
             return bad_request(str(error), param, "context_length_exceeded")
+        if error.code == "internal":  # the engine failed on this request alone; it goes on
+            return APIError(500, str(error), code="internal_error")
         return bad_request(str(error), param)
     if isinstance(error, ValueError):  # the request's shape, refused at the executor boundary
-        return bad_request(str(error), param)
+        field = str(error).split(" ", 1)[0]
+        return bad_request(str(error), (names or {}).get(field, field))
     raise error
 
 
 def _validation_error(errors: list[dict]) -> APIError:
     """Pydantic's complaint about a request body, naming the top-level parameter at fault."""
     first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid" or not location:
-        return bad_request(f"the request body is not valid JSON for this endpoint: {first.get('msg')}")
-    where = ".".join(location)
-    return bad_request(f"{where}: {first.get('msg')}", param=location[0])
+    location = [part for part in first.get("loc", ()) if part != "body"]
+    message = str(first.get("msg", "")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error")
+        return bad_request(f"the request body is not valid JSON{f': {detail}' if detail else ''}")
+    if not location:
+        if first.get("type") == "missing":
+            return bad_request("the request body is empty: a JSON object is expected")
+        return bad_request(f"the request body must be a JSON object (sent as application/json): {message}")
+    return bad_request(f"{_readable(location)}: {message}", param=str(location[0]))
+
+
+# How pydantic names the member of a union it tried, in an error's location: not a field.
+_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-str", "constrained-int"}
+
+
+def _readable(location: list) -> str:
+    """("messages", 0, "content", "list[TextContentPart]", 0, "text") -> "messages[0].content[0].text"."""
+    parts = []
+    for position, part in enumerate(location):
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif position == 1 and location[0] == "prompt" and part in PROMPT_SHAPES:
+            continue  # which of the prompt's shapes it was read as
+        elif not str(part).isidentifier() or part in _UNION_MEMBERS:
+            continue
+        else:
+            parts.append(f".{part}" if parts else str(part))
+    return "".join(parts)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -106,7 +149,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        return APIError(error.status_code, str(error.detail), headers=error.headers).response()
+        code = "request_too_large" if error.status_code == 413 else None
+        return APIError(error.status_code, str(error.detail), code=code, headers=error.headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(request: Request, error: ClientDisconnected) -> Response:
@@ -114,5 +158,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        # The details go to the log; the client learns that it failed, not how the server is built.
         logger.exception("unexpected error serving %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(error).__name__}: {error}").response()
+        return APIError(500, "internal server error", code="internal_error").response()

@@ -28,18 +28,22 @@ class Generation:
         prompts: list[list[int]],
         params: list[SamplingParams],
         *,
-        prompt_param: str,
+        names: dict[str, str],
+        cache_salt: str | None = None,
     ) -> None:
+        """`names` maps the engine's field names to this API's, for the errors it raises."""
         self.prompt_token_ids = prompts
-        self._prompt_param = prompt_param
+        self._names = names
         self._queue: asyncio.Queue = asyncio.Queue()
         self._results = []
         try:
             for token_ids, sampling_params in zip(prompts, params):
-                self._results.append(ctx.llm.generate_async(token_ids, sampling_params, streaming=True))
+                self._results.append(
+                    ctx.llm.generate_async(token_ids, sampling_params, streaming=True, cache_salt=cache_salt)
+                )
         except Exception as error:
             self.abort()  # all of the HTTP request's prompts run, or none
-            raise from_engine_error(error, prompt_param) from error
+            raise from_engine_error(error, names) from error
         for index, result in enumerate(self._results):
             timer = ctx.metrics.track(len(prompts[index]))
             # Drained by their own tasks, so an aborted request is still read to its end (and
@@ -51,7 +55,7 @@ class Generation:
     async def _drain(self, index: int, result, timer) -> None:
         try:
             async for output in result:
-                timer.update(output, result.queue_seconds)
+                timer.update(output, result)
                 self._queue.put_nowait((index, output))
         except Exception as error:
             self._queue.put_nowait((index, error))
@@ -65,7 +69,7 @@ class Generation:
                 running -= 1
             elif isinstance(item, BaseException):
                 self.abort()
-                raise from_engine_error(item, self._prompt_param) from item
+                raise from_engine_error(item, self._names) from item
             else:
                 yield index, item
 

@@ -2,8 +2,10 @@
 dashboards and alerts carry over. Every series is labelled with `model_name`.
 
 Latencies are measured where the client's experience is: in the server, from the moment a
-request is submitted to the engine. Each app has its own registry, so several servers can
-live in one process (the tests do this).
+request is submitted to the engine. Inter-token latency, as vLLM means it, is the time
+between consecutive engine steps that brought a request new tokens, read from the engine's
+own step times: however updates coalesce on their way to a slow consumer, every step counts.
+Each app has its own registry, so several servers can live in one process (the tests do this).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from berth.engine.outputs import RequestOutput
 
-ADMISSION_STATES = ("running", "parking", "parked", "waking", "failed")
+ADMISSION_STATES = ("running", "parking", "parked", "waking", "failed", "shutdown")
+# The states a sleep or wakeup moves the engine to (the labels of sleep_transitions_total).
+TRANSITION_TARGETS = ("parking", "parked", "waking", "running", "failed")
 
 # Bucket edges in seconds, from sub-millisecond CPU steps to minutes-long requests.
 LATENCY_BUCKETS = (
@@ -54,7 +58,52 @@ class ServerMetrics:
             registry=r,
         )
         self._admission_by_state = {s: self._admission.labels(model_name, s) for s in ADMISSION_STATES}
+        transitions = Counter(
+            "berth:sleep_transitions",
+            "Admission transitions of sleep and wakeup, by the state reached.",
+            ["model_name", "to"],
+            registry=r,
+        )
+        self._transitions_to = {to: transitions.labels(model_name, to) for to in TRANSITION_TARGETS}
+        durations = Histogram(
+            "berth:sleep_transition_duration_seconds",
+            "How long a sleep (drain included) or a wakeup took in the engine.",
+            ["model_name", "transition"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._transition_durations = {
+            kind: durations.labels(model_name, kind) for kind in ("sleep", "wakeup")
+        }
+        # Memory: what the engine holds now, and how its KV pool was sized at start.
+        self.weight_bytes = gauge("berth:weight_bytes", "Bytes of weights the engine holds on its device.")
+        self.kv_cache_bytes = gauge(
+            "berth:kv_cache_bytes", "Bytes of KV cache the engine holds now (0 while a sleep has freed it)."
+        )
+        self.kv_cache_blocks = gauge("berth:kv_cache_blocks", "Blocks in the KV pool.")
+        self.kv_cache_pool_bytes = gauge(
+            "berth:kv_cache_pool_bytes", "Bytes of the KV pool, as sized at start."
+        )
+        self.kv_cache_bytes_per_token = gauge(
+            "berth:kv_cache_bytes_per_token", "KV cache bytes one token of context takes."
+        )
+        self.kv_cache_tokens = gauge("berth:kv_cache_tokens", "Tokens of context the KV pool holds.")
+        self._memory_limit = Gauge(
+            "berth:memory_limit_bytes",
+            "The memory limit the KV pool was sized under, by where it came from (1 series).",
+            ["model_name", "source"],
+            registry=r,
+        )
+        self.engine_resident_bytes = gauge(
+            "berth:engine_resident_memory_bytes", "Resident memory of the engine's process (rank 0)."
+        )
         self.num_preemptions = counter("berth:num_preemptions", "Sequences preempted (recomputed later).")
+        self.prefix_cache_queries = counter(
+            "berth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "berth:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again)."
+        )
         self.prompt_tokens = counter("berth:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("berth:generation_tokens", "Tokens generated for finished requests.")
         self._request_success = Counter(
@@ -88,25 +137,51 @@ class ServerMetrics:
             "From arrival in the engine to first scheduled.",
             LATENCY_BUCKETS,
         )
-        self._preemptions_seen = 0
+        self._engine_totals: dict[str, int] = {}  # what the counters above have caught up with
 
     def refresh(self, executor) -> None:
-        """Brings the gauges up to date with the engine's latest stats (called at scrape time)."""
-        healthy = not executor.is_dead
-        self.engine_healthy.set(1 if healthy else 0)
+        """Brings the gauges up to date with the engine's latest stats (called at scrape time).
+        A dead engine's stats say it holds nothing: the gauges drop to zero with it."""
+        self.engine_healthy.set(0 if executor.is_dead else 1)
         stats = executor.stats
         if stats is not None:
             self.num_requests_running.set(stats.num_running)
             self.num_requests_waiting.set(stats.num_waiting)
             total = stats.kv_blocks_total
             self.kv_cache_usage.set(stats.kv_blocks_used / total if total else 0.0)
-            preemptions = getattr(stats, "num_preemptions", 0)
-            if preemptions > self._preemptions_seen:
-                self.num_preemptions.inc(preemptions - self._preemptions_seen)
-                self._preemptions_seen = preemptions
-        state = "failed" if not healthy else (stats.admission if stats is not None else "running")
+            self.weight_bytes.set(stats.weight_bytes)
+            self.kv_cache_bytes.set(stats.kv_cache_bytes)
+            self.engine_resident_bytes.set(stats.resident_bytes)
+            self._catch_up(self.num_preemptions, "preemptions", stats.num_preemptions)
+            self._catch_up(self.prefix_cache_queries, "queries", stats.prefix_cache_queries)
+            self._catch_up(self.prefix_cache_hits, "hits", stats.prefix_cache_hits)
+            for to, count in stats.transitions.items():
+                if to in self._transitions_to and to != "failed":  # a failed engine never says so
+                    self._catch_up(self._transitions_to[to], f"to {to}", count)
+        plan = executor.limits.kv_cache if executor.limits is not None else None
+        if plan is not None:
+            self.kv_cache_blocks.set(plan.num_blocks)
+            self.kv_cache_pool_bytes.set(plan.pool_bytes)
+            self.kv_cache_bytes_per_token.set(plan.bytes_per_token)
+            self.kv_cache_tokens.set(plan.num_tokens)
+            self._memory_limit.labels(self._model_name, plan.limit_source).set(plan.limit_bytes)
+        state = executor.admission_state
         for name, child in self._admission_by_state.items():
             child.set(1 if name == state else 0)
+
+    def _catch_up(self, counter, key: str, engine_total: int) -> None:
+        """Moves `counter` to the engine's running total (which only grows while it lives)."""
+        seen = self._engine_totals.get(key, 0)
+        if engine_total > seen:
+            counter.inc(engine_total - seen)
+            self._engine_totals[key] = engine_total
+
+    def transition_done(self, kind: str, seconds: float) -> None:
+        self._transition_durations[kind].observe(seconds)
+
+    def transition_failed(self) -> None:
+        """A sleep or wakeup this server asked for ended with the engine's death."""
+        self._transitions_to["failed"].inc()
 
     def track(self, num_prompt_tokens: int) -> RequestTimer:
         return RequestTimer(self, num_prompt_tokens)
@@ -122,21 +197,24 @@ class RequestTimer:
         self._metrics = metrics
         self._num_prompt_tokens = num_prompt_tokens
         self._submitted = time.perf_counter()
-        self._last_token_at: float | None = None
         self._tokens_seen = 0
+        self._steps_seen = 0  # of the result's token step times, those already measured
 
-    def update(self, output: RequestOutput, queue_seconds: float | None) -> None:
+    def update(self, output: RequestOutput, result) -> None:
+        """`result` is the GenerationResult `output` came from: its engine step times."""
         tokens = sum(len(o.token_ids) for o in output.outputs)
         now = time.perf_counter()
         if tokens > self._tokens_seen:
-            if self._last_token_at is None:
+            if self._tokens_seen == 0:
                 self._metrics.time_to_first_token.observe(now - self._submitted)
-            else:
-                self._metrics.inter_token_latency.observe(now - self._last_token_at)
-            self._last_token_at = now
             self._tokens_seen = tokens
+        steps = result.token_step_times  # appended to by the dispatch thread: read up to a length
+        count = len(steps)
+        for i in range(max(1, self._steps_seen), count):
+            self._metrics.inter_token_latency.observe(max(0.0, steps[i] - steps[i - 1]))
+        self._steps_seen = count
         if output.finished:
-            self._finish(output, queue_seconds, now)
+            self._finish(output, result.queue_seconds, now)
 
     def _finish(self, output: RequestOutput, queue_seconds: float | None, now: float) -> None:
         m = self._metrics

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
-from berth.engine.serve.auth import require_api_key
+from berth.engine.serve.auth import BEARER
 from berth.engine.serve.context import ServingContext, serving
 from berth.engine.serve.errors import documented
 from berth.engine.serve.protocol import ModelCard, ModelList
 
-router = APIRouter(prefix="/v1/models", dependencies=[Depends(require_api_key)], responses=documented(401))
+router = APIRouter(prefix="/v1/models", dependencies=BEARER, responses=documented(401))
 
 
 def _card(ctx: ServingContext) -> ModelCard:
-    return ModelCard(id=ctx.model_name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+    revision = ctx.llm.executor.model_revision  # what serves now: a wakeup may have swapped it
+    return ModelCard(
+        id=ctx.model_name,
+        root=revision.path if revision is not None else ctx.model_path,
+        revision=revision.digest if revision is not None else None,
+        max_model_len=ctx.max_model_len,
+    )
 
 
 @router.get("")

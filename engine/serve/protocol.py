@@ -5,24 +5,66 @@ Names, defaults and ranges follow OpenAI's API reference; the extra sampling fie
 send through `extra_body`. Unknown fields are ignored, as vLLM does, so clients written for
 newer API versions still work. The constraints here are also the server's OpenAPI document,
 which the fuzz tests generate requests from.
+
+Every number is bounded to what the engine can represent (64-bit integers, 32-bit token ids),
+and no string may hold a lone UTF-16 surrogate (JSON's `"\\ud800"` escape): it is not text,
+and would fail wherever it is encoded (the tokenizer, an error message), so it is refused
+here with a 400 that names the parameter.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from berth.engine.sampling_params import MAX_LOGPROBS
+from berth.engine.engine_io import DEFAULT_DRAIN_TIMEOUT, MAX_CACHE_SALT_BYTES
+from berth.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOKEN_ID
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 NonEmptyString = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+# Strict: JSON's true and false are not token ids (lax mode would read them as 1 and 0).
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID, strict=True)]
+Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str, any surrogate is a lone one
+
+
+def lone_surrogate_at(value: object, path: str = "") -> str | None:
+    """Where in `value` (strings, and lists and dicts of them, keys included) a string holds a
+    lone surrogate: "" for the value itself, "[2].content" or "[0] key" inside it; None if
+    nowhere."""
+    if isinstance(value, str):
+        return path if _LONE_SURROGATE.search(value) else None
+    if isinstance(value, list):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    elif isinstance(value, dict):
+        items = ((f"{path}.{key}" if isinstance(key, str) else path, item) for key, item in value.items())
+        for key in value:
+            if lone_surrogate_at(key) is not None:
+                return f"{path} key".lstrip()
+    else:
+        return None
+    for where, item in items:
+        found = lone_surrogate_at(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_is_text(cls, value: object) -> object:
+        where = lone_surrogate_at(value)
+        if where is not None:
+            place = f" (at {where.lstrip('.')})" if where else ""
+            raise ValueError(f"holds a lone UTF-16 surrogate{place}, which is not text")
+        return value
 
 
 class StreamOptions(_Request):
@@ -47,21 +89,46 @@ class _SamplingFields(_Request):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions.
-    top_k: int = Field(0, ge=-1, description="0 or -1: no top-k filter")
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1: no top-k filter")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(
+        None,
+        description="prefix-cache reuse only among requests with the same salt (a tenant's secret); "
+        f"at most {MAX_CACHE_SALT_BYTES} bytes in UTF-8",
+    )
+
+
+def _prompt_shape(value: object) -> str | None:
+    """Which of the prompt's four shapes `value` has, so an error names what is wrong with it
+    (not with the first shape tried): a list of anything else is read as token ids."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        first = value[0] if value else None
+        return "texts" if isinstance(first, str) else "batches" if isinstance(first, list) else "ids"
+    return None
+
+
+PROMPT_SHAPES = ("text", "texts", "ids", "batches")
+Prompt = Annotated[
+    Annotated[NonEmptyString, Tag("text")]
+    | Annotated[list[NonEmptyString], Field(min_length=1), Tag("texts")]
+    | Annotated[list[TokenId], Field(min_length=1), Tag("ids")]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1), Tag("batches")],
+    Discriminator(
+        _prompt_shape,
+        custom_error_type="prompt_shape",
+        custom_error_message="a string, a list of strings, a list of token ids or a list of lists of them",
+    ),
+]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: (
-        NonEmptyString
-        | Annotated[list[NonEmptyString], Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    )
-    max_tokens: int | None = Field(16, ge=1, description="null: up to the model's maximum length")
+    prompt: Prompt
+    max_tokens: Count | None = Field(16, description="null: up to the model's maximum length")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
@@ -86,8 +153,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="null: up to the model's length")
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: max_completion_tokens")
+    max_completion_tokens: Count | None = Field(None, description="null: up to the model's length")
+    max_tokens: Count | None = Field(None, description="deprecated by OpenAI: max_completion_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
@@ -197,8 +264,48 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "berth"
-    root: str
+    root: str  # the model directory serving now (a wakeup may have swapped in another revision)
+    revision: str | None = None  # the digest of that directory's checkpoint
     max_model_len: int
+
+
+# ---- admin ---------------------------------------------------------------------------------------
+
+# The longest drain a sleep may ask for: a day (a number past it is a typo, not a plan).
+MAX_DRAIN_TIMEOUT = 86400.0
+
+
+class _AdminRequest(_Request):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field must not silently mean its default
+
+
+class SleepRequest(_AdminRequest):
+    level: int = Field(
+        1,
+        ge=1,
+        le=2,
+        strict=True,  # JSON's true is not level 1
+        description="1: free the KV cache (and move weights to host memory); 2: drop the weights too",
+    )
+    mode: Literal["drain", "abort"] = Field(
+        "drain", description="drain: let requests in flight finish (up to `timeout`); abort: abort them now"
+    )
+    timeout: float = Field(
+        DEFAULT_DRAIN_TIMEOUT,
+        ge=0,
+        le=MAX_DRAIN_TIMEOUT,
+        allow_inf_nan=False,
+        description="seconds a drain may take before what is left is aborted",
+    )
+
+
+class WakeupRequest(_AdminRequest):
+    model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="another revision of the model (a directory on the engine's machine) to load in place",
+    )
 
 
 class ModelList(BaseModel):

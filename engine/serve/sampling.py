@@ -1,19 +1,19 @@
 """From an OpenAI request to the engine's inputs: checked prompt token ids and SamplingParams.
 
-Everything a client can get wrong is refused here with a 400 that names the parameter, so no
-bad input reaches the engine (where some could fail the whole engine, not one request).
+Everything a client can get wrong is refused here with a 400 that names the parameter. The
+limits are the engine's own (`EngineLimits`, as it reported them), checked by the same rules
+the engine applies again when the request arrives.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from berth.engine.engine_io import RequestError, check_cache_salt
 from berth.engine.sampling_params import SamplingParams
 from berth.engine.serve.context import ServingContext
-from berth.engine.serve.errors import bad_request
+from berth.engine.serve.errors import bad_request, from_engine_error
 from berth.engine.serve.protocol import ChatCompletionRequest, CompletionRequest
-
-# Below this temperature, softmax(logits / T) overflows to NaN: such requests are sampled
-# greedily, which is what they ask for in effect (vLLM does the same).
-GREEDY_TEMPERATURE = 1e-5
 
 
 def admit(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -25,13 +25,14 @@ def admit(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) 
 
 def check_supported(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuses the OpenAI parameters berth accepts in the schema but does not implement, and
-    those the engine's configuration cannot serve."""
-    if body.n > ctx.max_batch_size:  # the engine refuses it too, but cannot name the parameter
-        raise bad_request(
-            f"n={body.n} exceeds this server's max_batch_size={ctx.max_batch_size} "
-            "(the n choices of a request run in one batch)",
-            param="n",
-        )
+    those the engine's limits cannot serve."""
+    try:
+        ctx.limits.check_n(body.n)  # the engine's own rule, here so the answer names `n`
+        check_cache_salt(body.cache_salt)
+    except RequestError as error:
+        raise from_engine_error(error) from error
+    except ValueError as error:
+        raise bad_request(str(error), param="cache_salt") from error
     unsupported = {
         "presence_penalty": body.presence_penalty != 0,
         "frequency_penalty": body.frequency_penalty != 0,
@@ -58,48 +59,34 @@ def check_supported(ctx: ServingContext, body: CompletionRequest | ChatCompletio
 def check_token_ids(ctx: ServingContext, token_ids: list[int], param: str) -> list[int]:
     if not token_ids:
         raise bad_request(f"{param} is empty: nothing to generate from", param=param)
-    too_big = [t for t in token_ids if t >= ctx.vocab_size]
-    if too_big:
-        raise bad_request(
-            f"{param} has token id {too_big[0]}, outside the vocabulary (size {ctx.vocab_size})", param=param
-        )
+    try:
+        ctx.limits.check_prompt(np.asarray(token_ids, dtype=np.int64))
+    except RequestError as error:
+        raise from_engine_error(error, {"prompt": param}) from error
     return token_ids
 
 
 def resolve_max_tokens(
     ctx: ServingContext, requested: int | None, num_prompt: int, *, param: str, prompt_param: str
 ) -> int:
-    """The output budget: `requested`, or all that the model's length leaves (None)."""
-    limit = ctx.max_model_len
-    if num_prompt >= limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, the prompt has "
-            f"{num_prompt} tokens, which leaves no room for a completion. Please shorten the prompt.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if requested is None:
-        return limit - num_prompt
-    if num_prompt + requested > limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} for the "
-            f"completion). Please reduce the prompt or {param}.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return requested
+    """The output budget: `requested`, or all that the model's length leaves (None); refused
+    (by the engine's own rules, naming this API's parameters) when it cannot be served."""
+    try:
+        max_tokens = ctx.limits.output_budget(num_prompt, requested)
+        ctx.limits.check_fits(num_prompt, max_tokens)
+    except RequestError as error:
+        raise from_engine_error(error, {"prompt": prompt_param, "max_tokens": param}) from error
+    return max_tokens
 
 
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
-    temperature = 0.0 if body.temperature < GREEDY_TEMPERATURE else body.temperature
     try:
         return SamplingParams(
             n=body.n,
             max_tokens=max_tokens,
-            temperature=temperature,
+            temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
             seed=body.seed,

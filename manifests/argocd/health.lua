@@ -1,8 +1,10 @@
 -- Argo CD health check for berth.dev/LLMDeployment (Argo CD runs it with gopher-lua: Lua 5.1).
--- Healthy: Ready and the operator has seen the current generation. Progressing: a new spec
--- not reconciled yet, worlds starting or restarting. Suspended: every engine sleeps (as Argo
--- CD shows a stopped KServe service). Degraded: a world used up its restarts (the message
--- carries the engine's own error) or the spec is invalid.
+-- Healthy: Ready, and both the reconcile (status.observedGeneration) and the health daemon
+-- (each condition's observedGeneration) have seen the current generation. Progressing: a new
+-- spec not reconciled or not judged yet, worlds starting, restarting, parking or waking, a
+-- scale-down draining. Suspended: every engine sleeps (spec.sleep or a schedule; as Argo CD
+-- shows a stopped KServe service). Degraded: a world used up its restarts (the message carries
+-- the engine's own error) or the operator refused the spec (observedGeneration is set then).
 local hs = { status = "Progressing", message = "Waiting for the berth operator" }
 if obj.status == nil then
   return hs
@@ -27,6 +29,17 @@ end
 if generation ~= nil and (obj.status.observedGeneration == nil or obj.status.observedGeneration < generation) then
   hs.message = "Waiting for the operator to reconcile generation " .. tostring(generation)
   return hs
+end
+
+-- Conditions carry the generation they were computed for: until the health daemon has judged
+-- this generation, what they say is about the previous spec.
+if generation ~= nil and obj.status.conditions ~= nil then
+  for _, c in ipairs(obj.status.conditions) do
+    if c.observedGeneration ~= nil and c.observedGeneration < generation then
+      hs.message = "Waiting for the operator to report on generation " .. tostring(generation)
+      return hs
+    end
+  end
 end
 
 local degraded = condition("Degraded")

@@ -8,15 +8,6 @@ import pytest
 import torch
 
 from berth.engine import LLM
-from berth.engine.models.tiny_model import make_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Qwen2 (QKV bias) with untied embeddings and a sharded checkpoint."""
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    make_tiny_model(path, arch="qwen2", tie_word_embeddings=False, max_shard_size="60KB", seed=1)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +35,31 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     logprobs = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
     return tokens, logprobs
+
+
+# Near-ties are the only excuse for a mismatch: both tokens in each other's top-5 and their
+# log-probs within this much of each other (then the comparison stops: the futures diverge).
+TIE_TOLERANCE = 1e-3
+# First-token log-probs agree to float32 accumulation noise.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def prompts_of_many_lengths(tokenizer, lengths=(1, 3, 7, 16, 17, 31, 45, 60, 9, 2)) -> list[list[int]]:
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "def", "add", "print"]
+    return [
+        tokenizer(" ".join(words[(i + j) % len(words)] for j in range(n)))["input_ids"][:n]
+        for i, n in enumerate(lengths)
+    ]
+
+
+def check_against_reference(ours, theirs, hf_logprobs: torch.Tensor) -> None:
+    for step, (mine, ref) in enumerate(zip(ours, theirs)):
+        if mine == ref:
+            continue
+        row = hf_logprobs[step]
+        top5 = row.topk(5).indices.tolist()
+        assert mine in top5, f"step {step}: berth chose {mine}, not in transformers' top-5 {top5}"
+        gap = abs(row[mine] - row[ref]).item()
+        assert gap < TIE_TOLERANCE, f"step {step}: berth {mine} vs transformers {ref}, not a tie ({gap})"
+        return
+    assert len(ours) == len(theirs), f"berth made {len(ours)} tokens, transformers {len(theirs)}"

@@ -26,12 +26,61 @@ def test_generate_refuses_a_missing_model_without_a_traceback(tmp_path):
     assert "not a model directory" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_bench_throughput_reports_both_engines_and_the_ratio(tiny_model):
+def test_bench_throughput_reports_both_engines_the_roofline_tpot_and_a_plot(tiny_model, tmp_path):
+    plot = tmp_path / "throughput.png"
     result = berth(
-        "bench", "throughput", str(tiny_model), "--num-requests", "8", "--input-len", "4", "8",
-        "--output-len", "4", "8", "--batch-size", "4",
+        "bench", "throughput", str(tiny_model), "--num-requests", "6", "--input-len", "4", "8",
+        "--output-len", "4", "8", "--batch-size", "4", "--dtype", "bfloat16", "--tpot-requests", "1",
+        "--plot", str(plot), "--plot-batch-sizes", "1", "4",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert re.search(r"berth:.*tok/s", result.stdout)
-    assert re.search(r"transformers:.*tok/s", result.stdout)
-    assert re.search(r"ratio.*\d+\.\d+", result.stdout, re.IGNORECASE)
+    out = result.stdout
+    assert "dtype bfloat16" in out
+    peak = re.search(r"matmul peak \(bfloat16.*\): ([\d.]+) GFLOPS; the workload needs ([\d.]+) TFLOP", out)
+    assert peak and float(peak.group(1)) > 0, out
+    for engine in ("berth", "transformers"):
+        line = re.search(rf"^{engine}:.* ([\d.]+) output tok/s .* ([\d.]+) % of the matmul peak$", out, re.M)
+        assert line and float(line.group(1)) > 0, out
+    assert re.search(r"ratio berth / transformers: \d+\.\d+x", out)
+    assert re.search(r"batch-1 TPOT .*: berth [\d.]+ ms, transformers [\d.]+ ms", out)
+    assert re.search(r"batch size   1: berth .* tok/s, transformers .* tok/s", out)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_throughput_with_a_shared_prefix_compares_caching_on_and_off(tiny_model):
+    result = berth(
+        "bench", "throughput", str(tiny_model), "--shared-prefix-len", "64", "--num-requests", "6",
+        "--input-len", "4", "8", "--output-len", "2", "4", "--batch-size", "4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "a shared system prompt of 64 tokens" in result.stdout
+    cached = dict(
+        re.findall(r"prefix caching (on |off):.*TTFT mean .* from the cache\s+([\d.]+)%", result.stdout)
+    )
+    assert float(cached["off"]) == 0 and float(cached["on "]) > 50, result.stdout
+    assert re.search(r"ratio on / off: throughput \d+\.\d+x, mean TTFT \d+\.\d+x", result.stdout)
+    assert "transformers" not in result.stdout
+
+
+def test_bench_throughput_with_tensor_parallelism_compares_against_one_rank_and_costs_the_collectives(
+    tiny_model,
+):
+    result = berth(
+        "bench", "throughput", str(tiny_model), "--tensor-parallel-size", "2", "--num-requests", "4",
+        "--input-len", "4", "8", "--output-len", "4", "8", "--batch-size", "4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    one = re.search(r"^berth TP=1: .* ([\d.]+) output tok/s\s+(\d+) steps", out, re.M)
+    two = re.search(
+        r"^berth TP=2: .* ([\d.]+) output tok/s\s+(\d+) steps, [\d.]+ ms a step; per step on rank 0: "
+        r"(\d+) all-reduces taking ([\d.]+) ms \(\d+ % of the wall time\), other collectives .* ([\d.]+) ms",
+        out,
+        re.M,
+    )
+    assert one and two, out
+    assert int(one[2]) > 0 and int(two[2]) > 0
+    assert int(two[3]) == 2 * 2 + 1  # o_proj and down of each of 2 layers, the vocab-parallel embedding
+    assert float(two[4]) > 0
+    assert re.search(r"ratio TP=2 / TP=1 throughput: \d+\.\d+x", out)
+    assert "transformers" not in out

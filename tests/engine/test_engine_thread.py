@@ -10,6 +10,7 @@ import pytest
 
 from berth.engine.config import EngineConfig
 from berth.engine.executor import GenerationRequest
+from berth.engine.models.parallel import SINGLE
 from berth.engine.pyexecutor.py_executor import PyExecutor
 from berth.engine.sampling_params import SamplingParams
 
@@ -21,9 +22,9 @@ class ThreadRecordingExecutor(PyExecutor):
     stepped_on: set[int]
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> PyExecutor:
+    def from_config(cls, config: EngineConfig, tp=SINGLE) -> PyExecutor:
         cls.built_on = threading.get_ident()
-        engine = super().from_config(config)
+        engine = super().from_config(config, tp)
         engine.stepped_on = set()
         return engine
 
@@ -35,8 +36,12 @@ class ThreadRecordingExecutor(PyExecutor):
 def test_the_loop_runs_on_the_thread_that_built_the_model(tiny_model):
     engine = ThreadRecordingExecutor.launch(EngineConfig(model=str(tiny_model), kv_cache_blocks=16))
     responses: queue.SimpleQueue = queue.SimpleQueue()
-    engine.start(on_responses=lambda batch, stats: responses.put(batch), on_fatal=responses.put)
-    request = GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_tokens=3), client_id=1)
+    engine.start(
+        on_responses=lambda batch, stats: responses.put(batch),
+        on_fatal=responses.put,
+        on_transition=responses.put,
+    )
+    request = GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_tokens=3), request_id=1)
     engine.request_queue.enqueue_request(request)
     finished = False
     while not finished:

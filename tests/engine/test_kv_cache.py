@@ -1,11 +1,10 @@
-"""The KV block pool and how it is sized."""
+"""The KV block pool (how it is sized: test_memory_budget.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from berth.engine.pyexecutor.kv_cache import KVBlockPool, plan_num_blocks
+from berth.engine.pyexecutor.block_pool import KVBlockPool
 
 
 def test_pool_allocates_distinct_blocks_and_takes_them_back():
@@ -22,26 +21,3 @@ def test_pool_refuses_to_overcommit():
     with pytest.raises(Exception, match="2"):
         pool.allocate(3)
     assert pool.num_free == 2  # a refused allocation takes nothing
-
-
-def test_explicit_block_count_wins():
-    blocks = plan_num_blocks(
-        explicit_blocks=7,
-        memory_fraction=0.9,
-        bytes_per_block=1,
-        max_useful_blocks=100,
-        device=torch.device("cpu"),
-    )
-    assert blocks == 7
-
-
-def test_fraction_of_free_memory_is_capped_by_what_can_ever_be_used():
-    cpu = torch.device("cpu")
-    huge = plan_num_blocks(
-        explicit_blocks=None, memory_fraction=0.5, bytes_per_block=1024, max_useful_blocks=10**12, device=cpu
-    )
-    capped = plan_num_blocks(
-        explicit_blocks=None, memory_fraction=0.5, bytes_per_block=1024, max_useful_blocks=40, device=cpu
-    )
-    assert capped == 40
-    assert 40 < huge < 10**12  # a fraction of real free memory, not the cap

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
+import shutil
+import threading
 import time
 
 import pytest
 
-from berth.engine import LLM, SamplingParams
-from berth.engine.executor import RequestError
+from berth.engine import LLM, EngineConfig, SamplingParams
+from berth.engine.executor import EngineDeadError, GenerationRequest, RequestError
+from berth.engine.executor.in_process import InProcessExecutor
+from berth.engine.executor.proxy import ProxyExecutor
+from berth.engine.tokenizer import load_tokenizer
 from tests.engine.conftest import kv_blocks_used
 
 PROMPTS = ["the quick brown fox", "def add(a, b):", "print the lazy dog", "over the"]
@@ -95,17 +101,24 @@ def test_stop_token_ends_generation_with_its_id(llm):
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
 
 
-def test_eos_ends_generation_unless_ignored(llm):
-    eos = llm.executor.engine.model_config.eos_token_ids[0]
-    # Make EOS the only likely token: a stop at EOS is "stop" with no stop_reason.
-    biased = llm.generate([[eos] * 3], greedy(30))[0].outputs[0]
-    ignoring = llm.generate([[eos] * 3], greedy(30, ignore_eos=True))[0].outputs[0]
-    assert len(ignoring.token_ids) == 30 and ignoring.finish_reason == "length"
-    if eos in ignoring.token_ids:
-        assert biased.token_ids == ignoring.token_ids[: ignoring.token_ids.index(eos) + 1]
-        assert biased.finish_reason == "stop" and biased.stop_reason is None
-    else:
-        assert biased.token_ids == ignoring.token_ids
+def test_eos_ends_generation_unless_ignored(llm, tiny_model, tmp_path):
+    """EOS is made a token greedy decoding surely produces: a checkpoint whose generation config
+    names the fourth token the model generates as its end of sequence."""
+    prompt = [[5, 6, 7]]
+    free_running = llm.generate(prompt, greedy(12, ignore_eos=True))[0].outputs[0].token_ids
+    model = tmp_path / "eos"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": free_running[3]}))
+    with LLM(model, executor="in-process", kv_cache_blocks=16) as with_eos:
+        eos_ids = with_eos.executor.engine.eos_token_ids
+        stopped = with_eos.generate(prompt, greedy(12))[0].outputs[0]
+        ignoring = with_eos.generate(prompt, greedy(12, ignore_eos=True))[0].outputs[0]
+    first_eos = next(i for i, token in enumerate(free_running) if token in eos_ids)
+    assert first_eos <= 3
+    assert stopped.token_ids == free_running[: first_eos + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", None)
+    assert ignoring.token_ids == free_running and ignoring.finish_reason == "length"
 
 
 def test_logprobs_are_normalised_ranked_and_include_the_sampled_token(llm):
@@ -160,6 +173,103 @@ def test_request_errors_fail_alone_with_a_clear_message(llm):
     with pytest.raises(RequestError):  # the error is sticky
         bad.result(timeout=0)
     assert good.result(timeout=30).finished
+
+
+async def test_several_consumers_of_one_result_all_wake(llm):
+    """Defect 5: a second await / async for on the same result must not replace the first."""
+    params = greedy(12, ignore_eos=True)
+    result = llm.generate_async(PROMPTS[1], params, streaming=True)
+
+    async def stream() -> list[int]:
+        return [t async for update in result for t in update.outputs[0].token_ids_diff]
+
+    awaited, again, streamed, streamed_too = await asyncio.wait_for(
+        asyncio.gather(result.aresult(), result.aresult(), stream(), stream()), timeout=60
+    )
+    assert awaited.outputs[0].token_ids == again.outputs[0].token_ids
+    assert len(awaited.outputs[0].token_ids) == 12
+    # Each stream sees every token once.
+    assert streamed == streamed_too == awaited.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("length", ["max_model_len", "longer"])
+def test_a_prompt_that_leaves_no_room_fails_alone(llm, length):
+    """Defect 2: with max_tokens=None the budget is what the model's length leaves; a prompt of
+    max_model_len tokens or more leaves nothing and is refused, the engine goes on."""
+    limit = llm.limits.max_model_len
+    prompt = [5] * (limit if length == "max_model_len" else limit + 40)
+    with pytest.raises(RequestError, match=f"maximum context length is {limit}") as refused:
+        llm.generate([prompt], SamplingParams(max_tokens=None))
+    assert refused.value.code == "too_long" and refused.value.param == "prompt"
+    assert llm.check_health()
+    assert llm.generate([[5] * (limit - 1)], SamplingParams(max_tokens=None, ignore_eos=True))[0].finished
+
+
+def test_a_top_k_beyond_64_bits_is_refused_at_the_api(llm):
+    """Defect 8: an absurd top_k used to reach the sampler and kill the engine."""
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**64)
+    huge = llm.generate(PROMPTS[0], SamplingParams(top_k=2**62, seed=1, max_tokens=3))  # more than the vocab
+    assert len(huge[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("executor", ["in-process", "proxy"])
+def test_after_shutdown_the_engine_is_unhealthy_and_refuses_work(tiny_model, executor):
+    """Defect 3: unhealthy once shutdown starts; the admission state says so too."""
+    llm = LLM(tiny_model, executor=executor, kv_cache_blocks=16)
+    assert llm.check_health() and llm.executor.admission_state == "running"
+    llm.shutdown()
+    assert not llm.check_health()
+    assert llm.executor.admission_state == "shutdown"
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate_async("hi", greedy(2))
+
+
+class PausingTokenizer:
+    """The real tokenizer, but the first streamed request's submit pauses where it builds its
+    result (after its first admission check) until the test lets it go on."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.entered = threading.Event()
+        self.go_on = threading.Event()
+
+    @property
+    def backend_tokenizer(self):
+        self.entered.set()
+        assert self.go_on.wait(30)
+        return self._tokenizer.backend_tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.mark.parametrize("shape", [InProcessExecutor, ProxyExecutor])
+def test_a_submit_racing_shutdown_is_refused_or_answered(tiny_model, shape):
+    """Defect 4: a submit that registers after shutdown failed the pending requests must not be
+    enqueued and left unanswered."""
+    tokenizer = PausingTokenizer(load_tokenizer(tiny_model))
+    executor = shape(EngineConfig(model=str(tiny_model), kv_cache_blocks=16), tokenizer)
+    outcome: dict = {}
+
+    def submit() -> None:
+        try:
+            outcome["result"] = executor.submit(GenerationRequest([5, 6], greedy(3), streaming=True))
+        except Exception as error:
+            outcome["error"] = error
+
+    submitter = threading.Thread(target=submit, daemon=True)
+    submitter.start()
+    assert tokenizer.entered.wait(30)
+    executor.shutdown()  # all the way: pending requests failed, the engine stopped
+    tokenizer.go_on.set()
+    submitter.join(30)
+    assert not submitter.is_alive()
+    if "result" in outcome:  # if it got in, it is answered
+        with pytest.raises(EngineDeadError):
+            outcome["result"].result(timeout=10)
+    else:
+        assert isinstance(outcome["error"], EngineDeadError)
 
 
 def test_a_request_longer_than_the_pool_is_rejected_at_once(tiny_model):

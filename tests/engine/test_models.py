@@ -134,3 +134,35 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     with LLM(path, executor="in-process", kv_cache_blocks=16) as llm:
         ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
     assert ours == expected[: len(ours)] and len(ours) == len(expected)
+
+
+# ---- revisions: what a weight swap checks and what it reports -------------------------------------
+
+
+def test_the_checkpoint_digest_tells_revisions_apart(tmp_path, tiny_model, tiny_qwen2):
+    from berth.engine.models.loader import checkpoint_digest
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    make_tiny_model(same, seed=0)
+    make_tiny_model(other, seed=1)  # the same config and file sizes: only the weights differ
+    assert checkpoint_digest(tiny_model) == checkpoint_digest(same)  # where it lives does not count
+    assert checkpoint_digest(other) != checkpoint_digest(tiny_model)
+    config = json.loads((same / "config.json").read_text())
+    (same / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0}))
+    assert checkpoint_digest(same) != checkpoint_digest(tiny_model)
+    assert checkpoint_digest(tiny_qwen2).startswith("sha256:")  # sharded: through its index
+    with pytest.raises(FileNotFoundError, match="no safetensors checkpoint"):
+        checkpoint_digest(tmp_path)
+
+
+def test_shape_differences_name_every_field_that_changes_a_weight(tmp_path, tiny_model, tiny_qwen2):
+    from berth.engine.models.config import ModelConfig
+
+    serving = ModelConfig.from_pretrained(tiny_model)
+    seeded = tmp_path / "seeded"
+    make_tiny_model(seeded, seed=9)
+    assert serving.shape_differences(ModelConfig.from_pretrained(seeded)) == []
+    differences = serving.shape_differences(ModelConfig.from_pretrained(tiny_qwen2))
+    assert "architecture 'Qwen2ForCausalLM' (serving: 'LlamaForCausalLM')" in differences
+    assert "tie_word_embeddings False (serving: True)" in differences
+    assert "attention_bias True (serving: False)" in differences

@@ -8,36 +8,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from berth.engine import LLM, SamplingParams
-from tests.engine.conftest import hf_greedy, kv_blocks_used
+from tests.engine.conftest import (
+    LOGPROB_TOLERANCE,
+    check_against_reference,
+    hf_greedy,
+    kv_blocks_used,
+    prompts_of_many_lengths,
+)
 
 MAX_NEW = 24
-# Near-ties are the only excuse for a mismatch: both tokens in each other's top-5 and their
-# log-probs within this much of each other (then the comparison stops: the futures diverge).
-TIE_TOLERANCE = 1e-3
-# First-token log-probs agree to float32 accumulation noise.
-LOGPROB_TOLERANCE = 1e-4
-
-
-def prompts_of_many_lengths(tokenizer) -> list[list[int]]:
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "def", "add", "print"]
-    lengths = [1, 3, 7, 16, 17, 31, 45, 60, 9, 2]
-    return [
-        tokenizer(" ".join(words[(i + j) % len(words)] for j in range(n)))["input_ids"][:n]
-        for i, n in enumerate(lengths)
-    ]
-
-
-def check_against_reference(ours, theirs, hf_logprobs: torch.Tensor) -> None:
-    for step, (mine, ref) in enumerate(zip(ours, theirs)):
-        if mine == ref:
-            continue
-        row = hf_logprobs[step]
-        top5 = row.topk(5).indices.tolist()
-        assert mine in top5, f"step {step}: berth chose {mine}, not in transformers' top-5 {top5}"
-        gap = abs(row[mine] - row[ref]).item()
-        assert gap < TIE_TOLERANCE, f"step {step}: berth {mine} vs transformers {ref}, not a tie ({gap})"
-        return
-    assert len(ours) == len(theirs), f"berth made {len(ours)} tokens, transformers {len(theirs)}"
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_model", "tiny_qwen2"])

@@ -6,7 +6,6 @@ import hashlib
 import hmac
 import pickle
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,16 +16,7 @@ from berth.engine.executor import GenerationRequest, ipc
 from berth.engine.executor.proxy import ProxyExecutor
 from berth.engine.tokenizer import load_tokenizer
 from tests.support.engine_processes import call_with_timeout, wait_until
-
-
-class LeavesATrace:
-    """Unpickling this creates a file: proof that a payload was (or was not) loaded."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (Path.touch, (self.path,))
+from tests.support.forgery import LeavesATrace
 
 
 def forgeries(key: bytes, payload: bytes) -> list[list[bytes]]:
@@ -94,9 +84,11 @@ def test_a_forged_request_never_reaches_the_worker_and_the_engine_keeps_serving(
         payload = pickle.dumps(LeavesATrace(trace))
         context = zmq.Context()
         intruder = context.socket(zmq.PUSH)
-        intruder.setsockopt(zmq.LINGER, 1000)
+        # Long enough for the connection to come up on a loaded machine (sends before it are
+        # queued, and dropped when the linger runs out).
+        intruder.setsockopt(zmq.LINGER, 15_000)
         intruder.connect(request_address)
-        for frames in forgeries(executor._key, payload):
+        for frames in forgeries(executor.key, payload):
             intruder.send_multipart(frames)
         intruder.close()
         context.term()  # waits (up to the linger) until the forgeries are on the wire
@@ -106,7 +98,7 @@ def test_a_forged_request_never_reaches_the_worker_and_the_engine_keeps_serving(
             worker_log.append(capfd.readouterr().err)
             return "".join(worker_log).count("not unpickled") == 5
 
-        assert wait_until(all_dropped, timeout=10)
+        assert wait_until(all_dropped, timeout=30)
         result = executor.submit(GenerationRequest([5, 6, 7], SamplingParams(temperature=0, max_tokens=4)))
         assert len(result.result(timeout=30).outputs[0].token_ids) == 4
         assert executor.check_health()

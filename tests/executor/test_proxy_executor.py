@@ -119,7 +119,7 @@ def test_abort_mid_stream_stops_that_request_only_and_frees_its_blocks(proxy_llm
 def test_abort_of_a_finished_request_is_a_no_op(proxy_llm):
     result = proxy_llm.generate_async("over the", greedy(3))
     result.result(timeout=TIMEOUT)
-    proxy_llm.executor.abort(result.client_id)  # the worker logs it at debug level and goes on
+    proxy_llm.executor.abort(result.request_id)  # the worker logs it at debug level and goes on
     proxy_llm.executor.abort(10**9)  # never existed
     assert len(proxy_llm.generate("over the", greedy(3))[0].outputs[0].token_ids) == 3
     assert proxy_llm.check_health()
@@ -129,6 +129,14 @@ def test_a_request_error_fails_that_request_alone(proxy_llm):
     good = proxy_llm.generate_async("the lazy dog", greedy(6, ignore_eos=True))
     bad = proxy_llm.executor.submit(GenerationRequest([5, 1_000_000], greedy(4)))
     too_long = proxy_llm.generate_async([3] * 1000, greedy(100))
+    # Changed after it was built, as a buggy frontend could: the worker unpickles it without
+    # running its validation; the engine checks it again and fails it alone (this top_k once
+    # overflowed inside the engine step and killed it).
+    broken = GenerationRequest([5, 6], SamplingParams(temperature=1.0, max_tokens=4))
+    broken.sampling_params.top_k = 2**64
+    broken_result = proxy_llm.executor.submit(broken)
+    with pytest.raises(RequestError, match="top_k"):
+        broken_result.result(timeout=TIMEOUT)
     with pytest.raises(RequestError, match="out of range for the vocabulary"):
         bad.result(timeout=TIMEOUT)
     with pytest.raises(RequestError) as error:
@@ -188,8 +196,8 @@ def test_500_concurrent_asyncio_requests_all_complete_once(proxy_llm):
         results, outputs, wakeups = asyncio.run(main())
     finally:
         del executor._dispatch
-    assert len({r.client_id for r in results}) == 500
-    assert [o.request_id for o in outputs] == [r.client_id for r in results]
+    assert len({r.request_id for r in results}) == 500
+    assert [o.request_id for o in outputs] == [r.request_id for r in results]
     assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
     assert all(o.finished for o in outputs)
     # The loop is woken once per batch of steps, not once per token or per request.

@@ -4,6 +4,7 @@ worker process is left behind."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -15,14 +16,60 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import zmq
+from safetensors.torch import load_file, save_file
 
 from berth.engine import LLM, EngineConfig, SamplingParams
-from berth.engine.executor import EngineDeadError, GenerationRequest
+from berth.engine.engine_io import Response
+from berth.engine.executor import EngineDeadError, ipc
 from berth.engine.executor.errors import RemoteTraceback, WorkerDiedError
+from berth.engine.executor.messages import StepResults
 from berth.engine.executor.proxy import ProxyExecutor
 from tests.support.engine_processes import call_with_timeout, pid_alive, wait_until, worker_pids
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+class HealthProbe:
+    """Calls check_health over and over on a thread (as a probe would), timing every call, from
+    before a death until it is noticed: the calls made while the death is being discovered are
+    the ones that could block."""
+
+    def __init__(self, llm: LLM, timeout: float) -> None:
+        self.calls: list[tuple[float, bool, float]] = []  # (started, healthy, seconds)
+        self._llm = llm
+        self._thread = threading.Thread(target=self._run, args=(timeout,), daemon=True)
+        self._thread.start()
+
+    def _run(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            healthy = self._llm.check_health()
+            self.calls.append((started, healthy, time.monotonic() - started))
+            if not healthy:
+                return
+            time.sleep(0.001)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def await_in_another_loop(coroutine_function) -> threading.Thread:
+    """Runs `coroutine_function()` to its end on an event loop of a thread of its own."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = asyncio.run(coroutine_function())
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.outcome = outcome
+    thread.start()
+    return thread
 
 
 def test_kill_9_during_a_batch_fails_every_request_fast(tiny_model):
@@ -33,6 +80,16 @@ def test_kill_9_during_a_batch_fails_every_request_fast(tiny_model):
         ]
         first_stream = iter(results[0])
         call_with_timeout(lambda: next(first_stream), 30)  # the batch is running
+
+        async def two_waiters():  # on one result: both must hear of the death
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(results[3].aresult(), results[3].aresult(), return_exceptions=True), 15
+            )
+            return [type(outcome) for outcome in outcomes]
+
+        waiters = await_in_another_loop(two_waiters)
+        probe = HealthProbe(llm, timeout=10)
+        assert wait_until(lambda: probe.calls, timeout=5)
         os.kill(llm.executor.engine_pid, signal.SIGKILL)
         killed_at = time.monotonic()
 
@@ -50,18 +107,15 @@ def test_kill_9_during_a_batch_fails_every_request_fast(tiny_model):
         ]
         assert max(waits) < 10
 
-        calls = []
-
-        def timed_health() -> bool:
-            started = time.perf_counter()
-            healthy = llm.check_health()
-            calls.append(time.perf_counter() - started)
-            return healthy
-
-        assert wait_until(lambda: not timed_health(), timeout=5)
-        assert max(calls) < 0.05
+        probe.join(10)
+        assert probe.calls[0][1] and probe.calls[0][0] < killed_at  # healthy before the kill
+        assert not probe.calls[-1][1]  # and the death noticed
+        assert max(seconds for _, _, seconds in probe.calls) < 0.1  # no call ever blocked
         assert isinstance(llm.executor.fatal_error, WorkerDiedError)
         assert llm.executor.admission_state == "failed"
+
+        waiters.join(20)
+        assert waiters.outcome == {"value": [EngineDeadError, EngineDeadError]}, waiters.outcome
 
         started = time.monotonic()
         with pytest.raises(EngineDeadError):
@@ -73,6 +127,33 @@ def test_kill_9_during_a_batch_fails_every_request_fast(tiny_model):
         assert time.monotonic() - started < 6  # a dead world is waited for a few seconds at most
     with pytest.raises(EngineDeadError):  # a terminal error is sticky, even after shutdown
         results[1].result(timeout=0)
+
+
+def test_a_failed_dispatcher_stops_the_worker(tiny_model):
+    """Defect 6: once the proxy cannot route results (here: a signed message it cannot apply, a
+    response for a sequence the request does not have), the engine is dead and its worker, which
+    holds the model, goes too."""
+    llm = LLM(tiny_model, max_batch_size=8)
+    context = zmq.Context()
+    forger = None
+    try:
+        running = llm.generate_async("hello", LONG, streaming=True)
+        call_with_timeout(lambda: next(iter(running)), 30)
+        worker = llm.executor.engine_pid
+        executor = llm.executor
+        forger = ipc.open_socket(
+            context, zmq.PUSH, executor._results_socket.address, executor.key, ipc.RESULTS, bind=False
+        )
+        forger.send(StepResults([Response(running.request_id, 99, [5])], executor.stats))
+        with pytest.raises(EngineDeadError, match="list index out of range"):
+            call_with_timeout(lambda: running.result(timeout=10), 12)
+        assert not llm.check_health()
+        assert wait_until(lambda: not pid_alive(worker), timeout=10), "the worker outlived its dispatcher"
+    finally:
+        if forger is not None:
+            forger.close()
+        context.term()
+        call_with_timeout(llm.shutdown, 10)
 
 
 EXIT_SCRIPT = textwrap.dedent(
@@ -164,16 +245,21 @@ def test_a_worker_crashing_while_loading_raises_the_root_cause(tiny_model, tmp_p
     assert wait_until(lambda: not worker_pids(), timeout=5)
 
 
-def test_a_worker_killed_during_a_slow_load_is_noticed_at_once(tiny_model, tmp_path):
-    model = tmp_path / "slow"
-    shutil.copytree(tiny_model, model)
-    (model / "config.json").unlink()
-    os.mkfifo(model / "config.json")  # reading it blocks: a model load that never ends
+def loading_torch(pid: int) -> bool:
+    """True once the worker maps torch's library: it imports torch only after the proxy answered
+    its identity with the config, so it is then loading the engine."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_a_worker_killed_while_loading_is_noticed_at_once(tiny_model):
     outcome: dict[str, BaseException] = {}
 
     def start() -> None:
         try:
-            ProxyExecutor(EngineConfig(model=str(model)), tokenizer=None)
+            ProxyExecutor(EngineConfig(model=str(tiny_model)), tokenizer=None)
         except BaseException as error:
             outcome["error"] = error
 
@@ -181,8 +267,9 @@ def test_a_worker_killed_during_a_slow_load_is_noticed_at_once(tiny_model, tmp_p
     starter.start()
     # The worker said who it is before loading, so the proxy already watches it.
     assert wait_until(lambda: worker_pids(), timeout=30)
-    time.sleep(0.3)
-    os.kill(worker_pids()[0], signal.SIGKILL)
+    (worker,) = worker_pids()
+    assert wait_until(lambda: loading_torch(worker), timeout=30, interval=0.002)
+    os.kill(worker, signal.SIGKILL)
     killed_at = time.monotonic()
     starter.join(10)
     assert not starter.is_alive()
@@ -191,22 +278,28 @@ def test_a_worker_killed_during_a_slow_load_is_noticed_at_once(tiny_model, tmp_p
     assert "loading the model" in str(outcome["error"])
 
 
-def test_a_fatal_engine_error_reaches_every_client_with_its_root_cause(tiny_model):
-    llm = LLM(tiny_model, max_batch_size=8)
+def nan_checkpoint(source: Path, target: Path) -> Path:
+    """The model with NaN final-norm weights: every logit of every sequence is NaN."""
+    shutil.copytree(source, target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
+    save_file(weights, target / "model.safetensors")
+    return target
+
+
+def test_a_fatal_engine_error_reaches_every_client_with_its_root_cause(tiny_model, tmp_path):
+    # A failure no single request can be blamed for (every sequence's sampling fails, whatever
+    # it asked) is fatal: the whole engine dies, and says why first.
+    llm = LLM(nan_checkpoint(tiny_model, tmp_path / "nan"), max_batch_size=8)
     try:
-        running = llm.generate_async("hello", LONG, streaming=True)
-        call_with_timeout(lambda: next(iter(running)), 30)
-        # A request that is signed and well-formed enough to be admitted, but breaks the engine
-        # loop's stop check: not a RequestError, so the whole engine dies, and says why first.
-        poison = GenerationRequest([5, 6], SamplingParams(max_tokens=4))
-        poison.sampling_params.stop_token_ids = None
-        poison.client_id = 10**9
-        llm.executor._send(poison)
-        with pytest.raises(EngineDeadError, match="not iterable"):
-            call_with_timeout(lambda: running.result(timeout=10), 12)
+        sampled = SamplingParams(temperature=1.0, max_tokens=4)
+        results = [llm.generate_async(f"hello {i}", sampled) for i in range(3)]
+        for result in results:
+            with pytest.raises(EngineDeadError, match="probability tensor"):
+                call_with_timeout(lambda r=result: r.result(timeout=10), 12)
         root = llm.executor.fatal_error
-        assert isinstance(root, TypeError) and isinstance(root.__cause__, RemoteTraceback)
-        assert "_check_stop" in root.__cause__.traceback
+        assert isinstance(root, RuntimeError) and isinstance(root.__cause__, RemoteTraceback)
+        assert "sample" in root.__cause__.traceback
         assert not llm.check_health()
     finally:
         call_with_timeout(llm.shutdown, 10)

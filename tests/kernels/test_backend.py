@@ -33,11 +33,13 @@ def spy(monkeypatch, module, name: str) -> list[str]:
     return calls
 
 
-def test_auto_picks_the_torch_reference_for_cpu_tensors(monkeypatch):
+def test_auto_picks_the_cpu_backend_for_cpu_tensors(monkeypatch):
+    from berth.kernels import cpu_ops
+
     kernels.set_backend("auto")
-    calls = spy(monkeypatch, reference, "silu_and_mul")
+    calls = spy(monkeypatch, cpu_ops, "silu_and_mul")
     kernels.silu_and_mul(torch.randn(2, 8))
-    assert calls == ["berth.kernels.reference"]
+    assert calls == ["berth.kernels.cpu_ops"]
 
 
 def test_set_backend_and_use_backend_override(monkeypatch, triton_ops):

@@ -15,6 +15,8 @@ if str(REPO) not in sys.path:
 
 from tests.support.cluster import Cluster, ClusterSim, running_cluster  # noqa: E402
 from tests.support.engine_endpoint import EngineFleet  # noqa: E402
+from tests.support.image import Image, build_image  # noqa: E402
+from tests.support.kubelet import Kubelet  # noqa: E402
 
 EXAMPLES = REPO / "manifests" / "examples"
 
@@ -39,7 +41,31 @@ async def fleet(tiny_model: Path) -> AsyncIterator[EngineFleet]:
 @pytest.fixture
 async def sim(cluster: Cluster, fleet: EngineFleet) -> AsyncIterator[ClusterSim]:
     """StatefulSet controller, kubelet (starting an engine server per launcher pod), GC."""
+    fleet.read_secret = lambda namespace, name: cluster.get("v1/secrets", name, namespace)
     async with ClusterSim(
         cluster, on_pod_start=fleet.on_pod_start, on_pod_stop=fleet.on_pod_stop
     ).running() as sim:
+        yield sim
+
+
+@pytest.fixture(scope="session")
+def pod_image(tmp_path_factory: pytest.TempPathFactory) -> Image:
+    """The image's contents (images/Dockerfile's steps, mirrored), built once per session."""
+    return build_image(tmp_path_factory.mktemp("image"))
+
+
+@pytest.fixture
+async def kubelet(cluster: Cluster, pod_image: Image, tmp_path: Path) -> AsyncIterator[Kubelet]:
+    """The real kubelet: every pod runs as processes in its own namespaces (needs root: fails
+    loudly without it). Everything it made is gone afterwards; pods it refused fail the test."""
+    kubelet = Kubelet(cluster.server, tmp_path / "node", pod_image)
+    async with kubelet.running():
+        yield kubelet
+    assert not kubelet.problems, f"the test kubelet refused pods: {kubelet.problems}"
+
+
+@pytest.fixture
+async def controllers(cluster: Cluster, kubelet: Kubelet) -> AsyncIterator[ClusterSim]:
+    """The StatefulSet and Deployment controllers and the garbage collector, with the real kubelet."""
+    async with ClusterSim(cluster, fake_kubelet=False).running() as sim:
         yield sim

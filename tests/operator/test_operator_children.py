@@ -12,6 +12,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 from berth.operator import naming
+from tests.support.argocd_health import argocd_health
 from tests.support.cluster import Cluster, ClusterSim, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
 from tests.support.operator_runner import running_operator
@@ -27,6 +28,19 @@ EXPECTED = {
 }
 LAUNCHERS = ["llama-w0-launcher", "llama-w1-launcher"]
 WORKERS = ["llama-w0-0", "llama-w0-1", "llama-w1-0", "llama-w1-1"]
+
+
+def pods_by_role(cluster: Cluster) -> list[str]:
+    """Pod names, frontend pods (NAME-wI-frontend-HASH-XXXXX) by their Deployment's name."""
+    names = []
+    for name in cluster.names("v1/pods"):
+        if "-frontend-" in name:
+            name = name.split("-frontend-")[0] + "-frontend"
+        names.append(name)
+    return sorted(names)
+
+
+EXPECTED_PODS = sorted([*LAUNCHERS, *WORKERS, "llama-w0-frontend", "llama-w1-frontend"])
 
 
 def llmd(cluster: Cluster, name: str = "llama") -> dict:
@@ -77,7 +91,7 @@ async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
     uid = cr["metadata"]["uid"]
     for resource, names in EXPECTED.items():
         assert cluster.names(resource) == names, resource
-    assert sorted(cluster.names("v1/pods")) == sorted(LAUNCHERS + WORKERS)
+    assert pods_by_role(cluster) == EXPECTED_PODS
 
     # Every child: owned (explicitly, as controller) by the LLMDeployment, common labels,
     # and no copy of the parent's labels (kopf.adopt would have copied them).
@@ -107,7 +121,7 @@ async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
     worker = sts["spec"]["template"]["spec"]["containers"][0]
     assert worker["command"] == ["/usr/sbin/sshd", "-De"]
     assert worker["resources"]["limits"] == {"memory": "48Gi", "nvidia.com/gpu": "1"}
-    assert worker["resources"]["requests"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"}
+    assert worker["resources"]["requests"] == {"cpu": "4", "memory": "48Gi", "nvidia.com/gpu": "1"}
     assert sts["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert sts["spec"]["template"]["metadata"]["labels"][naming.ROLE] == "worker"
     assert cluster.get("v1/services", "llama-w0")["spec"]["clusterIP"] == "None"
@@ -122,7 +136,7 @@ async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
         "berth", "launch", "/models/llama-3.1-8b-instruct",
         "--hostfile", "/etc/berth/hostfile/hostfile",
         "--tensor-parallel-size", "2", "--gpus-per-node", "1",
-        "--host", "0.0.0.0", "--port", "8000",
+        "--host", "0.0.0.0", "--port", "8000", "--attach-port", "8001",
         "--served-model-name", "llama-3.1-8b-instruct",
         "--max-num-seqs=64",
     ]  # fmt: skip
@@ -206,7 +220,7 @@ async def test_operator_restarted_half_way_creates_no_duplicates(
         await wait_for(lambda: successful_reconciles() > reconciled_before, 10, "the resume reconcile")
     for resource, names in EXPECTED.items():
         assert cluster.names(resource) == names, f"{resource}: duplicates or leftovers (half-way: {half_way})"
-    assert sorted(cluster.names("v1/pods")) == sorted(LAUNCHERS + WORKERS)
+    assert pods_by_role(cluster) == EXPECTED_PODS
     for (resource, name), uid in first_uids.items():
         assert cluster.get(resource, name)["metadata"]["uid"] == uid, f"{resource}/{name} was recreated"
     # Keys were generated once and never rotated.
@@ -296,8 +310,12 @@ async def test_an_invalid_spec_is_degraded_with_the_reason_and_builds_nothing(
         await cluster.kubectl("apply", "--validate=false", "-f", str(tmp_path / "bad.yaml"))
         await wait_for(lambda: llmd(cluster).get("status", {}).get("phase") == "Degraded", 10, "Degraded")
         await wait_for(lambda: any(r == "InvalidSpec" for r, _ in event_reasons(cluster)), 5, "the Event")
+        # Argo CD says Degraded, with the reason (the refusal answers this generation).
+        await wait_for(lambda: argocd_health(llmd(cluster))["status"] == "Degraded", 10, "Argo CD Degraded")
     degraded = next(c for c in llmd(cluster)["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "InvalidSpec"
     assert "tensorParallelSize must be a multiple of gpusPerNode" in degraded["message"]
+    assert llmd(cluster)["status"]["observedGeneration"] == llmd(cluster)["metadata"]["generation"]
+    assert "tensorParallelSize must be a multiple of gpusPerNode" in argocd_health(llmd(cluster))["message"]
     for resource in [*EXPECTED, "v1/pods"]:
         assert cluster.names(resource) == [], resource

@@ -45,6 +45,11 @@ async def test_berth_operator_process_serves_liveness_metrics_and_reconciles(clu
             lambda: cluster.get("apps/v1/statefulsets", "tiny-w0"), 20, "the operator's StatefulSet"
         )
         await wait_for(lambda: answers(metrics, counted), 10, "the reconcile counted in /metrics")
+        # The series the operator's own code moved, under the names its docs give them.
+        async with httpx.AsyncClient() as client:
+            exposition = (await client.get(metrics, timeout=5)).text
+        assert "berth_operator_reconcile_duration_seconds_count 1.0" in exposition
+        await wait_for(lambda: answers(metrics, "berth_operator_worlds{phase="), 20, "the worlds by phase")
     finally:
         if process.returncode is None:
             process.terminate()

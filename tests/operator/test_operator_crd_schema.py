@@ -21,7 +21,13 @@ import jsonschema
 import pytest
 import yaml
 
-from berth.operator.crd_model import MANAGED_FLAG_PATTERN, InvalidSpec, parse_spec
+from berth.operator.crd_model import (
+    MANAGED_FLAG_PATTERN,
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    InvalidSpec,
+    parse_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "llmdeployment.yaml").read_text())
@@ -92,6 +98,10 @@ def _gpu_free(part: dict[str, Any] | None) -> bool:
 
 # Python mirrors of the CEL rules, keyed by the rule text exactly as the CRD has it.
 MIRRORS: dict[str, Callable[[Any], bool]] = {
+    f"self.metadata.name.size() <= {MAX_NAME_LENGTH}": lambda d: len(d["metadata"].get("name", "")) <= 47,
+    f"self.metadata.name.matches('{NAME_PATTERN}')": lambda d: bool(
+        re.match(NAME_PATTERN, d["metadata"].get("name", ""))
+    ),
     "self.gpusPerNode == 0 || self.tensorParallelSize % self.gpusPerNode == 0": lambda s: (
         s["gpusPerNode"] == 0 or s["tensorParallelSize"] % s["gpusPerNode"] == 0
     ),
@@ -266,6 +276,16 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "70000 is greater than the maximum of 65535",
     ),
     ("unknown service type", with_spec(service={"type": "Ingress"}), "'Ingress' is not one of"),
+    (
+        "name too long for its children",
+        {**minimal(), "metadata": {"name": "a" * 48}},
+        "metadata.name must be at most 47 characters",
+    ),
+    (
+        "name that is no Service name",
+        {**minimal(), "metadata": {"name": "7-llama"}},
+        "metadata.name must be a DNS-1035 label",
+    ),
 ]
 
 
@@ -284,7 +304,7 @@ def test_bad_documents_are_rejected_with_the_expected_message(
     assert any(expected in message for message in errors), errors
     # The operator's own model refuses the same spec (defence when a server did not validate).
     with pytest.raises(InvalidSpec):
-        parse_spec(document.get("spec"))
+        parse_spec(document.get("spec"), (document.get("metadata") or {}).get("name"))
 
 
 def test_every_cel_rule_has_a_mirror_and_every_mirror_a_rule() -> None:

@@ -1,8 +1,11 @@
-"""The operator's Prometheus series."""
+"""The operator's Prometheus series: how the worlds-by-phase gauge adds up over deployments.
+(That the operator's code moves each series, under its documented name, is checked where that
+code runs: test_operator_cli.py for reconciles, test_operator_world_restarts.py for restarts and
+health probes.)"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from berth.operator.metrics import OperatorMetrics
 
@@ -21,19 +24,3 @@ def test_worlds_by_phase_sum_over_deployments_and_forget() -> None:
     assert (worlds("Ready"), worlds("Pending")) == (2, 0)
     metrics.forget("ns", "b")
     assert (worlds("Ready"), worlds("Failed")) == (1, 0)
-
-
-def test_series_names() -> None:
-    registry = CollectorRegistry()
-    metrics = OperatorMetrics(registry)
-    metrics.reconciles.labels("success").inc()
-    metrics.world_restarts.labels("ns", "llama", "EngineDead").inc()
-    metrics.probe_seconds.labels("alive").observe(0.01)
-    text = generate_latest(registry).decode()
-    for name in (
-        'berth_operator_reconciles_total{result="success"} 1.0',
-        'berth_operator_world_restarts_total{deployment="llama",namespace="ns",reason="EngineDead"} 1.0',
-        'berth_operator_health_probe_duration_seconds_count{result="alive"} 1.0',
-        "berth_operator_reconcile_duration_seconds_count 0.0",
-    ):
-        assert name in text

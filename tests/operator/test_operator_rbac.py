@@ -11,7 +11,7 @@ import yaml
 
 from berth.operator.kube import Kube
 from tests.support.cluster import Cluster, ClusterSim, wait_for
-from tests.support.engine_endpoint import EngineFleet
+from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
 from tests.support.operator_runner import running_operator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +25,9 @@ NOT_EXERCISED = {
     ("", "configmaps", "patch"),
     ("", "services", "patch"),
     ("apps", "deployments", "patch"),
+    # No request of its own: the OwnerReferencesPermissionEnforcement admission plugin checks it
+    # whenever the operator creates a child with blockOwnerDeletion: true (every child).
+    ("berth.dev", "llmdeployments/finalizers", "update"),
 }
 
 
@@ -73,17 +76,18 @@ async def test_cluster_role_allows_exactly_what_the_operator_uses(
 
     async with running_operator(cluster, fleet.resolve):
         await cluster.kubectl("apply", "--validate=false", "-f", str(tmp_path / "llama.yaml"))
-        await wait_for(lambda: phase() == "Ready", 20, "Ready")
+        await wait_for(lambda: phase() == "Ready", START_TIMEOUT, "Ready")
         await patch_spec(cluster, {"replicas": 1, "frontends": 0})
         await wait_for(lambda: cluster.names("apps/v1/deployments") == [], 10, "frontends pruned")
         await patch_spec(cluster, {"image": "registry.example.com/berth:0.2.0"})  # replaces the world
         await wait_for(
             lambda: "0.2.0" in str(cluster.get("v1/pods", "llama-w0-launcher") or {}), 10, "launcher replaced"
         )
-        await wait_for(lambda: phase() == "Ready", 20, "Ready after the spec change")
+        await wait_for(lambda: phase() == "Ready", START_TIMEOUT, "Ready after the spec change")
         await cluster.kubectl("delete", "llmd", "llama", "--timeout=20s", timeout=30)
         await wait_for(lambda: cluster.get(LLMD, "llama") is None, 10, "llama gone")
 
     allowed, requested = granted(), used(cluster)
+
     assert requested - allowed == set(), "the operator made requests its ClusterRole does not allow"
     assert allowed - requested - NOT_EXERCISED == set(), "the ClusterRole grants more than the operator uses"

@@ -6,9 +6,11 @@ import base64
 from typing import Any
 
 import pytest
+import yaml
 
 from berth.operator import credentials, naming, render
 from berth.operator.crd_model import InvalidSpec, parse_spec
+from tests.support.e2e import REPO
 
 OWNER = render.Owner(name="llama", namespace="ml", uid="1234-uid")
 
@@ -119,12 +121,21 @@ def test_worker_statefulset() -> None:
     }
     assert container["volumeMounts"] == [
         {"name": "ssh", "mountPath": "/etc/berth/ssh", "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "model", "mountPath": "/models", "readOnly": True},
     ]
     assert pod["volumes"] == [
         {"name": "ssh", "secret": {"secretName": "llama-ssh", "defaultMode": 0o400}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
     ]
+    # sshd runs as root (it switches to the login user) with only the capabilities it needs.
+    assert pod["securityContext"] == {"fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": list(render.SSHD_CAPABILITIES)},
+    }
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert {"name": "BERTH_WORLD", "value": "0"} in container["env"]
     assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
     assert template["metadata"]["annotations"][naming.SPEC_HASH] == render.spec_hash(pod)
@@ -148,7 +159,8 @@ def test_launcher_pod() -> None:
     assert container["command"] == [
         "berth", "launch", "/models/llama", "--hostfile", "/etc/berth/hostfile/hostfile",
         "--tensor-parallel-size", "4", "--gpus-per-node", "2", "--host", "0.0.0.0", "--port", "8000",
-        "--served-model-name", "llama-8b", "--max-num-seqs=8", "--enable-prefix-caching",
+        "--attach-port", "8001", "--served-model-name", "llama-8b", "--max-num-seqs=8",
+        "--enable-prefix-caching",
     ]  # fmt: skip
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000},
@@ -169,8 +181,26 @@ def test_launcher_pod() -> None:
         },
     ]
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
-    assert mounts == {"hostfile": "/etc/berth/hostfile", "ssh": "/etc/berth/ssh", "model": "/models"}
+    assert mounts == {
+        "hostfile": "/etc/berth/hostfile",
+        "ssh": "/etc/berth/ssh",
+        "dshm": "/dev/shm",
+        "model": "/models",
+    }
     assert body["volumes"][0] == {"name": "hostfile", "configMap": {"name": "llama-w1-hostfile"}}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in body["volumes"]
+    assert body["securityContext"] == {
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+    }
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert pod["metadata"]["annotations"][naming.SPEC_HASH] == render.spec_hash(body)
 
 
@@ -178,7 +208,7 @@ def test_launcher_without_served_name_or_volume() -> None:
     plain = spec(model={"path": "/opt/model"})
     pod = render.launcher_pod(OWNER, plain, 0)
     assert "--served-model-name" not in pod["spec"]["containers"][0]["command"]
-    assert [volume["name"] for volume in pod["spec"]["volumes"]] == ["hostfile", "ssh"]
+    assert [volume["name"] for volume in pod["spec"]["volumes"]] == ["hostfile", "ssh", "dshm"]
 
 
 def test_spec_hash_moves_with_the_spec_only() -> None:
@@ -206,6 +236,34 @@ def test_frontend_deployment() -> None:
     ]  # fmt: skip
     assert [var["name"] for var in container["env"][:2]] == ["BERTH_ENGINE_KEY", "BERTH_ADMIN_TOKEN"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert template["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_startup_probe_budget_follows_the_spec() -> None:
+    default = render.launcher_pod(OWNER, spec(), 0)["spec"]["containers"][0]["startupProbe"]
+    assert default["periodSeconds"] * default["failureThreshold"] == 600
+    slow = spec(health={"startupTimeoutSeconds": 3601})
+    probe = render.launcher_pod(OWNER, slow, 0)["spec"]["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] == 5 and probe["failureThreshold"] == 721  # at least 3601 s
+    frontend = render.frontend_deployment(OWNER, slow, 0)["spec"]["template"]["spec"]["containers"][0]
+    assert frontend["startupProbe"] == probe
+
+
+def test_rendered_as_the_api_server_stores_it() -> None:
+    # Quantities in canonical form and empty env values without `value`: what the server would
+    # read back, so a reconcile never sees drift it caused itself.
+    odd = spec(
+        resources={"requests": {"cpu": "0.5", "memory": "1.5Gi"}, "limits": {"memory": "2048Mi"}},
+        launcherResources={"requests": {"cpu": 2, "memory": "1000M"}},
+        env=[{"name": "EMPTY", "value": ""}, {"name": "SET", "value": "x"}],
+    )
+    worker = render.worker_pod_spec(OWNER, odd, 0)["containers"][0]
+    assert worker["resources"]["requests"] == {"cpu": "500m", "memory": "1536Mi", "nvidia.com/gpu": "2"}
+    assert worker["resources"]["limits"] == {"memory": "2Gi", "nvidia.com/gpu": "2"}
+    assert {"name": "EMPTY"} in worker["env"] and {"name": "SET", "value": "x"} in worker["env"]
+    launcher = render.launcher_pod(OWNER, odd, 0)["spec"]["containers"][0]
+    assert launcher["resources"] == {"requests": {"cpu": "2", "memory": "1G"}}
 
 
 def test_endpoint_service() -> None:
@@ -243,3 +301,41 @@ def test_invalid_spec_names_the_field() -> None:
         parse_spec({"model": {"path": "/m"}, "image": "x", "replicas": -1})
     with pytest.raises(InvalidSpec, match=r"spec\.image: Field required"):
         parse_spec({"model": {"path": "/m"}})
+
+
+def engine_containers(spec_: Any) -> list[dict[str, Any]]:
+    """Every container of a world that runs part of the engine: launcher, frontends, workers."""
+    containers = []
+    for child in render.world_children(OWNER, spec_, 0):
+        if child["kind"] == "Pod":
+            containers += child["spec"]["containers"]
+        elif child["kind"] in ("StatefulSet", "Deployment"):
+            containers += child["spec"]["template"]["spec"]["containers"]
+    return containers
+
+
+def test_every_engine_container_gets_the_kv_cache_memory_fraction_the_operator_reserves() -> None:
+    """The pod's memory limit reaches the engine through its cgroup; the share of it the KV pool
+    may take through this variable (read by EngineConfig: tests/engine/test_memory_budget.py)."""
+    containers = engine_containers(spec())
+    assert {c["name"] for c in containers} >= {"launcher", "worker", "frontend"}
+    for container in containers:
+        fractions = [e for e in container["env"] if e["name"] == "BERTH_KV_CACHE_MEMORY_FRACTION"]
+        assert fractions == [{"name": "BERTH_KV_CACHE_MEMORY_FRACTION", "value": "0.9"}], container["name"]
+
+
+def test_a_users_kv_cache_memory_fraction_replaces_the_operators() -> None:
+    env = [{"name": "BERTH_KV_CACHE_MEMORY_FRACTION", "value": "0.6"}]
+    for container in engine_containers(spec(env=env)):
+        fractions = [e for e in container["env"] if e["name"] == "BERTH_KV_CACHE_MEMORY_FRACTION"]
+        assert fractions == env, container["name"]
+
+
+@pytest.mark.parametrize("example", ["llmdeployment.yaml", "llmdeployment-cpu.yaml"])
+def test_example_workers_request_the_memory_their_limit_gives_the_engine(example: str) -> None:
+    """The engine plans its KV pool against the worker's memory limit (its cgroup): the
+    examples reserve that much (requests equal limits), so the node has what the engine uses."""
+    raw = yaml.safe_load((REPO / "manifests" / "examples" / example).read_text())
+    (worker,) = render.worker_pod_spec(OWNER, parse_spec(raw["spec"]), 0)["containers"]
+    memory = {part: worker["resources"][part]["memory"] for part in ("requests", "limits")}
+    assert memory["requests"] == memory["limits"], memory

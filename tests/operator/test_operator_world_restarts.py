@@ -130,7 +130,9 @@ async def test_kill_9_of_the_engine_restarts_the_whole_world(
 async def test_repeated_deaths_back_off_then_exhaust_the_budget(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
-    backoff = 3
+    # Longer than a new world takes to get its pods back on a loaded machine (the second death
+    # must land inside the back-off).
+    backoff = 8
     async with running_operator(cluster, fleet.resolve), phase_recorder(cluster) as phases:
         await apply_small_example(
             cluster, tmp_path, maxRestarts=2, backoffSeconds=backoff, maxBackoffSeconds=60

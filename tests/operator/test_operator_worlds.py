@@ -119,6 +119,19 @@ def test_pod_failures() -> None:
     assert view(members=members).failure is None
 
 
+def test_a_launcher_that_exits_0_ends_its_world() -> None:
+    completed = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    done = pod("d-w0-launcher", "L1", phase="Succeeded", role="launcher", state=completed)
+    ended = view(launcher=done, members=view().snapshot)
+    assert ended.failure == worlds.Failure(
+        "LauncherExited",
+        "launcher pod d-w0-launcher ended on its own: container launcher exited with code 0 (Completed)",
+    )
+    result = step({"phase": "Ready", "members": view().snapshot}, None, ended)
+    assert result.restart is not None and result.restart.reason == "LauncherExited"
+    assert result.status["restarts"] == 1
+
+
 # --- one world, poll by poll -----------------------------------------------------------------
 
 
@@ -132,8 +145,20 @@ def test_alive_world_is_ready_and_remembers_its_members() -> None:
 
 
 def test_not_admitting_is_not_ready() -> None:
-    result = step({}, Probe("alive", ready=False, admission="parked"))
-    assert result.status["phase"] == "NotReady" and result.status["admission"] == "parked"
+    result = step({}, Probe("alive", ready=False, admission="shutdown"))
+    assert result.status["phase"] == "NotReady" and result.status["admission"] == "shutdown"
+
+
+def test_a_sleeping_engine_is_up_but_not_ready_and_reports_its_revision() -> None:
+    parked = Probe("alive", ready=False, admission="parked", model_revision="/m@sha256:ab", sleep_level=2)
+    result = step({}, parked)
+    assert result.status["phase"] == "Sleeping" and not result.status["ready"]
+    assert result.status["modelRevision"] == "/m@sha256:ab" and result.status["sleepLevel"] == 2
+    assert "asleep at level 2" in result.status["message"]
+    assert step({}, Probe("alive", ready=False, admission="waking")).status["phase"] == "Waking"
+    # Asleep counts as up: a sleeping world that stops answering is on its way to a restart.
+    silent = step(result.status | {"phase": "Sleeping"}, SILENT)
+    assert silent.status["phase"] == "Unreachable" and silent.status["probeFailures"] == 1
 
 
 def test_unanswered_polls_count_only_after_the_world_was_up() -> None:

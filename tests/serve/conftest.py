@@ -21,6 +21,7 @@ from tests.serve.server_process import (
     ENGINE_ARGS,
     ENGINE_OPTIONS,
     MAX_MODEL_LEN,
+    MAX_REQUEST_BODY_BYTES,
     MODEL_NAME,
     ServerProcess,
 )
@@ -33,6 +34,7 @@ def server(tiny_model: Path):
         *ENGINE_ARGS,
         "--max-model-len", str(MAX_MODEL_LEN),
         "--served-model-name", MODEL_NAME,
+        "--max-request-body-bytes", str(MAX_REQUEST_BODY_BYTES),
         env={"BERTH_API_KEY": API_KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN},
         api_key=API_KEY,
         admin_token=ADMIN_TOKEN,

@@ -10,49 +10,63 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from tests.support.engine_processes import pid_alive, wait_until
 
-LISTENING = "berth serve: listening on "
+LISTENING = "berth {command}: listening on "
+ATTACH_AT = "berth {command}: frontends attach at "
 # The engine options every server in these tests runs with, and the reference engines too.
 ENGINE_ARGS = ("--max-batch-size", "16", "--kv-blocks", "512", "--kv-block-size", "16")
 ENGINE_OPTIONS = {"max_batch_size": 16, "kv_cache_blocks": 512, "kv_block_size": 16}
 # The shared server (conftest.py): its name, length limit and credentials.
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 256
+MAX_REQUEST_BODY_BYTES = 7 << 19  # 3.5 MiB: under the default, over a 3 MB prompt
 API_KEY = "sk-test-berth"
 ADMIN_TOKEN = "admin-test-berth"
 CLIENT_TIMEOUT = 30  # seconds, for every HTTP client in these tests
 
 
 class ServerProcess:
+    """`berth serve MODEL ARGS...` (or, with `command="launch"`, `berth launch MODEL ARGS`), or
+    with `model=None` an attached frontend (`berth serve --attach ...` in `args`), which owns no
+    engine: stopping it never touches the engine."""
+
     def __init__(
         self,
-        model: Path,
+        model: Path | None,
         *args: str,
         env: dict[str, str] | None = None,
         api_key: str | None = None,
         admin_token: str | None = None,
         startup_timeout: float = 60,
+        command: str = "serve",
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.api_key = api_key
         self.admin_token = admin_token
-        command = [
-            sys.executable, "-m", "berth", "serve", str(model), "--host", "127.0.0.1", "--port", "0", *args,
+        self.owns_engine = model is not None
+        self._listening = LISTENING.format(command=command)
+        self._attach_at = ATTACH_AT.format(command=command)
+        command_line = [
+            sys.executable, "-m", "berth", command, *([str(model)] if model else []),
+            "--host", "127.0.0.1", "--port", "0", *args,
         ]  # fmt: skip
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("BERTH_")}
         child_env.update(env or {})
         self.process = subprocess.Popen(
-            command,
+            command_line,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
             env=child_env,
             start_new_session=True,  # its own process group, as in a terminal (see `interrupt`)
+            preexec_fn=preexec_fn,  # e.g. joining a memory cgroup (tests/support/memory_cgroup.py)
         )
         self._lines: list[str] = []
         self._new_lines: queue.Queue[str | None] = queue.Queue()
@@ -82,13 +96,19 @@ class ServerProcess:
                 raise RuntimeError(
                     f"berth serve exited ({self.process.wait(5)}) before listening:\n{self.output}"
                 )
-            if line.startswith(LISTENING):
-                return line[len(LISTENING) :].strip()
+            if line.startswith(self._listening):
+                return line[len(self._listening) :].strip()
         raise TimeoutError(f"berth serve did not listen within {timeout} s:\n{self.output}")
 
     @property
     def output(self) -> str:
         return "".join(self._lines)
+
+    @property
+    def attach_address(self) -> str:
+        """Where frontends attach (a server started with --attach-port)."""
+        line = next(line for line in self._lines if line.startswith(self._attach_at))
+        return line[len(self._attach_at) :].strip()
 
     @property
     def pid(self) -> int:
@@ -150,7 +170,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
-        engine_pid = getattr(self, "engine_pid", None)
+        engine_pid = getattr(self, "engine_pid", None) if self.owns_engine else None
         if engine_pid and engine_pid != self.pid and not wait_until(lambda: not pid_alive(engine_pid), 10):
             os.kill(engine_pid, signal.SIGKILL)
         return self.process.returncode

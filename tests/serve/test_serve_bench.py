@@ -19,6 +19,8 @@ REPORTED = (
     "P99 E2EL (ms)",
     "Offline output throughput (tok/s)",
     "Served / offline output throughput",
+    "Median, reused connection (ms)",
+    "Median, new connection (ms)",
 )
 
 
@@ -28,12 +30,13 @@ def figure(stdout: str, label: str) -> float:
     return float(match.group(1))
 
 
-def test_bench_serve_reports_latencies_throughput_and_the_offline_ratio(tiny_model):
+def test_bench_serve_reports_latencies_throughput_and_the_offline_ratio(tiny_model, tmp_path):
+    plot = tmp_path / "latency.png"
     result = subprocess.run(
         [
             sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "12",
             "--input-len", "4", "16", "--output-len", "4", "16", "--batch-size", "8",
-            "--max-concurrency", "6",
+            "--max-concurrency", "6", "--dtype", "bfloat16", "--plot", str(plot),
         ],
         capture_output=True,
         text=True,
@@ -47,6 +50,8 @@ def test_bench_serve_reports_latencies_throughput_and_the_offline_ratio(tiny_mod
     assert figure(result.stdout, "Maximum request concurrency") == 6
     assert all(value > 0 for value in values.values()), values
     assert values["P99 TTFT (ms)"] >= values["Median TTFT (ms)"]
+    assert "dtype bfloat16" in result.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_serve_refuses_bad_arguments(tmp_path):
@@ -58,3 +63,47 @@ def test_bench_serve_refuses_bad_arguments(tmp_path):
     )
     assert result.returncode == 2 and "--max-concurrency" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bench_serve_compares_frontends_and_postprocess_workers_with_the_single_process_server(tiny_model):
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "8",
+            "--input-len", "4", "8", "--output-len", "4", "8", "--batch-size", "8", "--skip-offline",
+            "--frontends", "2", "--num-postprocess-workers", "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    single, shape = result.stdout.split(" Serving Benchmark Result: ")[1:]
+    assert single.startswith("single-process server")
+    assert shape.startswith("2 attached frontends, 2 postprocess workers")
+    for section in (single, shape):
+        assert figure(section, "Successful requests") == 8 and figure(section, "Failed requests") == 0
+    assert result.stdout.count("server: frontend") == 2  # the load went through two frontends
+    for label in ("Output throughput ratio (shape / single)", "Median TTFT ratio (shape / single)"):
+        assert figure(result.stdout, label) > 0
+
+
+def test_bench_serve_refuses_frontends_against_a_given_server(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "berth",
+            "bench",
+            "serve",
+            str(tmp_path),
+            "--frontends",
+            "2",
+            "--base-url",
+            "http://x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr

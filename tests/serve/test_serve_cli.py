@@ -3,6 +3,7 @@ before loading anything; `berth --help` lists every command."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -12,13 +13,18 @@ import pytest
 from berth.cli import COMMANDS
 
 
-def berth(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def berth(*args: str, timeout: float = 60, key: str | None = None) -> subprocess.CompletedProcess:
+    """`berth ARGS`, with BERTH_ENGINE_KEY set to `key` (unset when None)."""
+    env = {k: v for k, v in os.environ.items() if k != "BERTH_ENGINE_KEY"}
+    if key is not None:
+        env["BERTH_ENGINE_KEY"] = key
     return subprocess.run(
         [sys.executable, "-m", "berth", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
+        env=env,
     )
 
 
@@ -49,8 +55,41 @@ def test_no_model_is_refused():
     assert_refused(berth("serve"), "MODEL is required")
 
 
-def test_attach_is_refused_as_not_supported(tiny_model):
-    assert_refused(berth("serve", str(tiny_model), "--attach", "tcp://127.0.0.1:5555"), "--attach")
+KEY = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "words"),
+    [
+        (("MODEL", "--attach", "tcp://127.0.0.1:5555"), KEY, ("--attach", "give no MODEL")),
+        (("--attach", "tcp://127.0.0.1:5555", "--max-batch-size", "4"), KEY, ("--max-batch-size", "owner")),
+        (("--attach", "tcp://127.0.0.1:5555", "--no-prefix-caching"), KEY, ("--no-prefix-caching", "owner")),
+        (("--attach", "tcp://127.0.0.1:5555", "--num-postprocess-workers", "2"), KEY, ("--num-postprocess",)),
+        (("--attach", "tcp://127.0.0.1:5555", "--attach-port", "8001"), KEY, ("--attach-port", "owner")),
+        (("--attach", "127.0.0.1:5555"), KEY, ("tcp://HOST:PORT",)),
+        (("--attach", "tcp://127.0.0.1:99999"), KEY, ("tcp://HOST:PORT",)),
+        (("--attach", "tcp://127.0.0.1:5555"), None, ("BERTH_ENGINE_KEY",)),
+        (("--attach", "tcp://127.0.0.1:5555"), "not-hex", ("BERTH_ENGINE_KEY", "hex")),
+        (("MODEL", "--attach-port", "0"), None, ("--attach-port", "BERTH_ENGINE_KEY")),
+        (("MODEL", "--attach-port", "0"), "abcd", ("--attach-port", "32 bytes")),
+        (("MODEL", "--attach-port", "70000"), KEY, ("--attach-port", "70000")),
+        (("MODEL", "--num-postprocess-workers", "-1"), None, ("--num-postprocess-workers",)),
+        (("MODEL", "--num-postprocess-workers", "2", "--executor", "in-process"), None, ("proxy executor",)),
+    ],
+)
+def test_attach_and_postprocess_options_are_checked_before_anything_starts(tiny_model, args, key, words):
+    args = [str(tiny_model) if arg == "MODEL" else arg for arg in args]
+    assert_refused(berth("serve", *args, key=key), *words)
+
+
+def test_an_attach_port_in_use_is_refused_before_the_model_loads(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = berth("serve", str(tiny_model), "--port", "0", "--attach-port", str(port), key=KEY)
+    assert_refused(result, f"127.0.0.1:{port}", "frontends")
+    assert "loaded" not in result.stdout
 
 
 @pytest.mark.parametrize(

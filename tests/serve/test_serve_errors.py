@@ -3,11 +3,15 @@ naming the parameter at fault; never a 500 for bad input."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+
 import httpx
 import openai
 import pytest
 
-from tests.serve.server_process import MAX_MODEL_LEN, MODEL_NAME
+from tests.serve.server_process import MAX_MODEL_LEN, MAX_REQUEST_BODY_BYTES, MODEL_NAME
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -67,14 +71,154 @@ def test_the_openai_client_sees_a_bad_request_error(client):
     assert raised.value.body["param"] == "temperature"
 
 
-def test_a_body_that_is_not_json_is_a_400(server):
-    response = httpx.post(
-        server.url + COMPLETIONS,
-        content=b"{not json",
-        headers={**server.headers(), "content-type": "application/json"},
-        timeout=10,
+def post_raw(server, path: str, content: bytes, headers: dict | None = None) -> httpx.Response:
+    """A body exactly as given (httpx's `json=` cannot carry a lone surrogate)."""
+    headers = {"content-type": "application/json", **server.headers(), **(headers or {})}
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=30)
+
+
+def post_json(server, path: str, body: dict) -> httpx.Response:
+    return post_raw(server, path, json.dumps(body).encode())  # ensure_ascii: "\\ud800" stays an escape
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"", "is empty"),
+        (b'{"prompt": "hi",', "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b"null", "must be a JSON object"),
+        (b'"hi"', "must be a JSON object"),
+    ],
+)
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(server, path, body, says):
+    error = error_of(post_raw(server, path, body), 400)
+    assert says in error["message"] and error["param"] is None, error
+
+
+def test_authentication_comes_before_reading_the_body(server):
+    """A client without the key learns nothing about its body: 401, not 400 or 413."""
+    for body in (b"{not json", b'{"prompt": []}'):
+        response = httpx.post(
+            server.url + COMPLETIONS, content=body, headers={"content-type": "application/json"}, timeout=10
+        )
+        assert error_of(response, 401)["code"] == "invalid_api_key"
+    oversized = httpx.post(server.url + COMPLETIONS, content=b"x" * (5 << 20), timeout=30)
+    assert error_of(oversized, 401)["code"] == "invalid_api_key"
+
+
+SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        (COMPLETIONS, {"model": SURROGATE}, "model"),
+        (COMPLETIONS, {"prompt": f"hi {SURROGATE}"}, "prompt"),
+        (COMPLETIONS, {"prompt": ["ok", "\udfff"]}, "prompt"),
+        (COMPLETIONS, {"stop": [SURROGATE]}, "stop"),
+        (COMPLETIONS, {"user": SURROGATE}, "user"),
+        (COMPLETIONS, {"cache_salt": SURROGATE}, "cache_salt"),
+        (COMPLETIONS, {"suffix": SURROGATE}, "suffix"),
+        (COMPLETIONS, {"logit_bias": {SURROGATE: 1.0}}, "logit_bias"),
+        (CHAT, {"model": SURROGATE}, "model"),
+        (CHAT, {"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]},
+            "messages",
+        ),
+        (CHAT, {"messages": [{"role": "user", "content": "hi", "name": SURROGATE}]}, "messages"),
+        (CHAT, {"response_format": {"type": SURROGATE}}, "response_format"),
+    ],
+)
+def test_a_string_with_a_lone_surrogate_is_a_400_naming_it(server, path, fields, param):
+    """Defect 9: such strings once ended in a 500 quoting the internal exception."""
+    body = {
+        "max_tokens": 2,
+        **({"prompt": "hi"} if path == COMPLETIONS else {"messages": MESSAGES}),
+        **fields,
+    }
+    error = error_of(post_json(server, path, body), 400)
+    assert error["param"] == param and "surrogate" in error["message"], error
+    assert "Error" not in error["message"], error  # no internal exception text
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"prompt": [True, False]}, "valid integer"),  # JSON booleans are not token ids
+        ({"prompt": [5, -1]}, "prompt[1]: Input should be greater than or equal to 0"),
+        ({"prompt": [[5], [6, 2**40]]}, "prompt[1][1]: Input should be less than or equal to"),
+        ({"prompt": 5}, "a string, a list of strings, a list of token ids"),
+        ({"top_k": 2**64}, "top_k"),
+        ({"seed": -(2**64)}, "seed"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ],
+)
+def test_a_token_id_or_integer_the_engine_cannot_hold_is_a_400_naming_it(server, fields, says):
+    """Defect 13 and 8: booleans as token ids, clear messages for bad ids, integers bounded."""
+    error = error_of(post_json(server, COMPLETIONS, {"prompt": "hi", "max_tokens": 2, **fields}), 400)
+    assert says in error["message"] and error["param"] == next(iter(fields)), error
+    assert "constrained-str" not in error["message"], error
+
+
+def test_a_body_over_the_limit_is_a_413_and_the_server_goes_on(server):
+    """Defect 12: the body is bounded (--max-request-body-bytes) before anything reads it."""
+    huge = json.dumps({"prompt": "w" * MAX_REQUEST_BODY_BYTES, "max_tokens": 1}).encode()
+    error = error_of(post_raw(server, COMPLETIONS, huge), 413)
+    assert (
+        error["code"] == "request_too_large"
+        and f"limit of {MAX_REQUEST_BODY_BYTES} bytes" in error["message"]
     )
-    error_of(response, 400)
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(5):
+            yield b"word " * (1 << 18)
+        yield b'"}'
+
+    chunked = httpx.post(
+        server.url + COMPLETIONS,
+        content=chunks(),
+        headers={"content-type": "application/json", **server.headers()},
+        timeout=30,
+    )
+    assert error_of(chunked, 413)["code"] == "request_too_large"
+    assert server.get("/health").status_code == 200
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    """Defect 12: while a 3 MB prompt is tokenized, the liveness probe still answers at once."""
+    text = "the quick brown fox jumps over the lazy dog " * 70_000
+    outcome: dict = {}
+
+    def complete() -> None:
+        outcome["response"] = post_json(server, COMPLETIONS, {"prompt": text, "max_tokens": 1})
+        outcome["done_at"] = time.monotonic()
+
+    worker = threading.Thread(target=complete, daemon=True)
+    sent_at = time.monotonic()
+    worker.start()
+    probes = []
+    with httpx.Client(base_url=server.url, timeout=10) as probe:
+        while worker.is_alive() and len(probes) < 500:
+            started = time.monotonic()
+            assert probe.get("/live").status_code == 200
+            probes.append((started, time.monotonic() - started))
+            time.sleep(0.02)
+    worker.join(60)
+    error = error_of(outcome["response"], 400)
+    assert error["code"] == "context_length_exceeded"  # tokenized, then refused: far too long
+    during = [seconds for started, seconds in probes if started < outcome["done_at"]]
+    assert len(during) >= 3, "the prompt was tokenized too fast to tell: make it longer"
+    # On the event loop, one probe would wait for the whole tokenization; off it, every probe is
+    # a small part of it (relative, so a loaded machine slows both sides alike).
+    assert max(during) < 0.5 * (outcome["done_at"] - sent_at), probes
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

@@ -1,7 +1,8 @@
 """`/health` must not lie: after `kill -9` of the engine's worker process the server answers
 503 with the engine's error within the executor's detection bound (10 s), and goes on
 answering 503 for as long as it lives; readiness drops, liveness stays, requests get a 503 with
-Retry-After, an in-flight stream ends instead of hanging, and SIGTERM still stops it cleanly."""
+Retry-After, an in-flight stream ends instead of hanging, the gauges and /admin/state say the
+dead engine runs nothing, and SIGTERM still stops it cleanly."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from tests.serve.server_process import ENGINE_ARGS, ServerProcess
 from tests.support.engine_processes import pid_alive, wait_until
 
 DETECTION_BOUND_S = 10  # the executor's: a dead worker is noticed by an event or a polling backstop
+
+
+def gauges(server: ServerProcess) -> dict[str, float]:
+    """The unlabelled-but-for-the-model gauges of /metrics, by name."""
+    families = text_string_to_metric_families(server.get("/metrics").text)
+    return {f.name: f.samples[0].value for f in families if f.type == "gauge" and len(f.samples) == 1}
 
 
 def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
@@ -46,6 +53,9 @@ def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
         reader = threading.Thread(target=stream, daemon=True)
         reader.start()
         assert stream_started.wait(30)
+        alive = gauges(server)
+        assert alive["berth:num_requests_running"] == 1 and alive["berth:kv_cache_usage_perc"] > 0
+        assert server.admin_state()["num_running"] == 1
 
         os.kill(engine_pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -82,8 +92,12 @@ def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
 
         state = server.admin_state()
         assert state["engine_dead"] is True and state["admission"] == "failed" and state["error"]
-        families = {f.name: f for f in text_string_to_metric_families(server.get("/metrics").text)}
-        assert families["berth:engine_healthy"].samples[0].value == 0
+        # A dead engine runs nothing and holds no blocks: no gauge keeps its last live value.
+        assert (state["num_running"], state["num_waiting"], state["kv_blocks_used"]) == (0, 0, 0)
+        dead = gauges(server)
+        assert dead["berth:engine_healthy"] == 0
+        assert dead["berth:num_requests_running"] == 0 and dead["berth:num_requests_waiting"] == 0
+        assert dead["berth:kv_cache_usage_perc"] == 0
         assert server.process.poll() is None
 
         server.terminate()

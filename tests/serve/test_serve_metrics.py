@@ -4,12 +4,15 @@ mid-request aborts its engine request: the metrics say "abort" and the engine is
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections import Counter
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.server_process import MODEL_NAME, ServerProcess
+from tests.serve.server_process import ENGINE_ARGS, MODEL_NAME, ServerProcess
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -18,6 +21,9 @@ COUNTERS = (
     "berth:prompt_tokens",
     "berth:generation_tokens",
     "berth:num_preemptions",
+    "berth:prefix_cache_queries",
+    "berth:prefix_cache_hits",
+    "berth:sleep_transitions",
 )
 HISTOGRAMS = (
     "berth:time_to_first_token_seconds",
@@ -33,6 +39,14 @@ GAUGES = (
     "berth:kv_cache_usage_perc",
     "berth:engine_healthy",
     "berth:engine_admission_state",
+    "berth:weight_bytes",
+    "berth:kv_cache_bytes",
+    "berth:kv_cache_blocks",
+    "berth:kv_cache_pool_bytes",
+    "berth:kv_cache_tokens",
+    "berth:kv_cache_bytes_per_token",
+    "berth:memory_limit_bytes",
+    "berth:engine_resident_memory_bytes",
 )
 
 
@@ -65,7 +79,7 @@ def test_the_exposition_has_vllms_series_each_labelled_with_the_model(server):
     families, samples = scrape(server)
     for name in COUNTERS:
         assert families[name].type == "counter", name
-    for name in HISTOGRAMS:
+    for name in (*HISTOGRAMS, "berth:sleep_transition_duration_seconds"):  # the last: per transition
         assert families[name].type == "histogram", name
     for name in GAUGES:
         assert families[name].type == "gauge", name
@@ -113,10 +127,45 @@ def test_counters_move_by_exactly_the_requests_and_tokens_sent(server, client):
             assert delta(before, after, f"{name}_count") == engine_requests, name
     assert delta(before, after, "berth:request_prompt_tokens_sum") == prompt_tokens
     assert delta(before, after, "berth:request_generation_tokens_sum") == generation_tokens
-    # One gap per later engine step that brought a request new tokens: at most a token each.
-    assert 0 < delta(before, after, "berth:inter_token_latency_seconds_count") <= generation_tokens
+    # One gap per engine step after a request's first that brought it tokens, however the
+    # server consumed them: a step gives each of a request's sequences one token (the n=2
+    # choices of a prompt step together), so each prompt's steps are its choices' length.
+    steps = [6, 6, replies[1].usage.completion_tokens, 1]
+    assert delta(before, after, "berth:inter_token_latency_seconds_count") == sum(n - 1 for n in steps)
     assert value(after, "berth:num_requests_running") == 0
     assert value(after, "berth:num_requests_waiting") == 0
+
+
+def test_the_prefix_cache_counts_its_queries_and_hits_and_admin_state_shows_cached_blocks(server, client):
+    prompt = list(range(400, 448))  # three full blocks of 16
+    before = idle_samples(server)
+    for _ in range(2):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
+    after = idle_samples(server)
+    assert delta(before, after, "berth:prefix_cache_queries_total") == 2 * len(prompt)
+    # The second request found the first one's blocks but the last (it computes its last token).
+    assert delta(before, after, "berth:prefix_cache_hits_total") == 2 * 16
+    state = server.admin_state()
+    assert state["prefix_caching"] is True and state["kv_blocks_used"] == 0
+    # Held by nobody, but cached (the shared server's pool may be full of them: new ones evict
+    # the least recently used).
+    assert 3 <= state["kv_blocks_cached"] <= state["kv_blocks_total"]
+
+
+def test_no_prefix_caching_computes_every_prompt_in_full(tiny_model):
+    server = ServerProcess(tiny_model, *ENGINE_ARGS, "--no-prefix-caching")
+    try:
+        for _ in range(2):
+            assert server.post(
+                "/v1/completions", {"prompt": list(range(400, 448)), "max_tokens": 1}
+            ).is_success
+        _, samples = scrape(server)
+        assert value(samples, "berth:prefix_cache_hits_total", model_name=str(tiny_model)) == 0
+        state = server.admin_state()
+        assert state["prefix_caching"] is False and state["kv_blocks_cached"] == 0
+        assert "prefix caching off" in server.output
+    finally:
+        assert server.stop() == 0, server.output
 
 
 def test_a_client_leaving_mid_stream_aborts_its_request(server):
@@ -140,18 +189,51 @@ def test_a_client_leaving_mid_stream_aborts_its_request(server):
     assert delta(before, after, "berth:generation_tokens_total") < n * max_tokens
 
 
-def test_a_client_that_times_out_on_a_whole_answer_aborts_its_request(server):
+def test_a_client_that_goes_away_from_a_whole_answer_aborts_its_request(server):
     before = idle_samples(server)
     n, max_tokens = 16, 240
-    body = {"prompt": [5] * 8, "n": n, "max_tokens": max_tokens, "ignore_eos": True}
+    body = json.dumps({"prompt": [5] * 8, "n": n, "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    url = httpx.URL(server.url)
+    head = "".join(f"{k}: {v}\r\n" for k, v in server.headers().items())
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{head}\r\n"
+    ).encode() + body
 
-    try:
-        server.post("/v1/completions", body, timeout=0.2)
-    except httpx.TimeoutException:
-        pass
-    else:
-        raise AssertionError("the request finished before the client gave up: make it longer")
+    # The client leaves once the engine is generating its answer (not on a timer, which a
+    # loaded machine could beat before the request reached the engine).
+    with socket.create_connection((url.host, url.port), timeout=10) as client:
+        client.sendall(request)
+        deadline = time.monotonic() + 30
+        while value(scrape(server)[1], "berth:num_requests_running") == 0:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.02)
 
     after = idle_samples(server)
     assert delta(before, after, "berth:request_success_total", finished_reason="abort") == n
     assert delta(before, after, "berth:generation_tokens_total") < n * max_tokens
+
+
+def test_memory_series_say_what_admin_state_says(server):
+    """Weights, KV pool (as sized: the shared server's --kv-blocks 512, a flag), the limit it was
+    sized under, and the engine's RSS."""
+    state = server.admin_state()
+    samples = scrape(server)[1]
+    plan = state["kv_cache"]
+    assert plan["limit_source"] == "flag" and plan["num_blocks"] == 512 == state["kv_blocks_total"]
+    assert value(samples, "berth:kv_cache_blocks") == 512
+    assert value(samples, "berth:kv_cache_pool_bytes") == plan["pool_bytes"] == state["kv_cache_bytes"] > 0
+    assert value(samples, "berth:kv_cache_bytes") == state["kv_cache_bytes"]
+    assert value(samples, "berth:kv_cache_tokens") == plan["num_tokens"] == 512 * 16
+    assert (
+        value(samples, "berth:kv_cache_bytes_per_token")
+        == plan["bytes_per_token"]
+        == plan["pool_bytes"] / 8192
+    )
+    assert (
+        value(samples, "berth:memory_limit_bytes", source="flag") == plan["limit_bytes"] == plan["pool_bytes"]
+    )
+    assert value(samples, "berth:weight_bytes") == state["weight_bytes"] > 0
+    # The RSS of the engine's process (the worker), which holds at least its weights.
+    assert value(samples, "berth:engine_resident_memory_bytes") >= state["weight_bytes"]
+    assert state["resident_bytes"] >= state["weight_bytes"]

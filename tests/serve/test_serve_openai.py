@@ -228,6 +228,12 @@ async def test_async_streamed_completion_with_logprobs(async_client, reference):
 
     assert text == expected_texts[0]
     assert token_logprobs == pytest.approx(sampled_logprobs(seq), abs=LOGPROB_TOLERANCE)
+    # Where each token starts, counted as the non-streamed answer counts them, however the
+    # tokens fell into chunks (a chunk may end inside a UTF-8 character the text holds back).
+    whole = await async_client.completions.create(
+        model=MODEL_NAME, prompt=ids, temperature=0, max_tokens=10, logprobs=1
+    )
+    assert offsets == whole.choices[0].logprobs.text_offset
     assert offsets == sorted(offsets) and offsets[0] == 0
 
 

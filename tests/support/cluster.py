@@ -4,8 +4,10 @@ controllers no emulator plays, played here explicitly and visibly:
 - `statefulset_controller()`: pods `<sts>-<ordinal>` from each StatefulSet's template
   (hostname + subdomain for stable DNS, owner reference to the StatefulSet), recreated when
   deleted, removed beyond `replicas`;
-- `kubelet()`: every new pod becomes Running with an IP; an optional hook "runs" launcher
-  containers (the tests start a real server per launcher pod) and stops them when the pod goes;
+- `deployment_controller()`: pods `<deployment>-<hash>-<random>` from each Deployment's template;
+- `kubelet()`: a stand-in kubelet: every new pod becomes Running with an IP; an optional hook
+  "runs" launcher containers (tests start a real server per launcher pod) and stops them when the
+  pod goes. With `fake_kubelet=False`, tests/support/kubelet.py runs the pods for real instead;
 - `garbage_collector()`: deletes objects all of whose owners are gone (cascading).
 
 Each is one pass that a test may call itself; `ClusterSim.running()` loops them in the
@@ -17,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import itertools
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,19 +171,85 @@ async def running_cluster(tmp_path: Path, namespace: str = "default") -> AsyncIt
 
 
 PodHook = Callable[[dict[str, Any]], Awaitable[None]]
+# The alphabet Kubernetes' controllers encode template hashes in (no vowels, no look-alikes).
+_HASH_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    """A 10-character hash of a pod template, like controller-revision-hash / pod-template-hash."""
+    digest = int(hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest(), 16)
+    chars = []
+    for _ in range(10):
+        digest, index = divmod(digest, len(_HASH_ALPHABET))
+        chars.append(_HASH_ALPHABET[index])
+    return "".join(chars)
+
+
+def _owner(kind: str, meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": kind,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or [])
 
 
 @dataclass
 class ClusterSim:
-    """The controllers and the kubelet a real cluster would have."""
+    """The controllers a real cluster would have, and (unless a real kubelet runs the pods,
+    tests/support/kubelet.py) a stand-in kubelet that marks every pod Running."""
 
     cluster: Cluster
     # Called when a pod starts "running" / when it is gone (e.g. start and stop an engine server).
     on_pod_start: PodHook | None = None
     on_pod_stop: PodHook | None = None
     interval: float = 0.05
+    # False when tests/support/kubelet.py runs the pods for real.
+    fake_kubelet: bool = True
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
     _running_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod
+    failed_creates: list[str] = field(default_factory=list)  # what the API refused, as the Events say
+
+    async def _create_pod(self, owner_kind: str, owner: dict[str, Any], pod: dict[str, Any]) -> None:
+        """Create a pod; a refusal becomes a FailedCreate Event on the owner, as the real
+        controllers report it (and they retry, as this does on its next pass)."""
+        namespace = owner["metadata"]["namespace"]
+        try:
+            await self.cluster.api("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+        except AssertionError as error:
+            message = (
+                f"create Pod {pod['metadata'].get('name') or pod['metadata'].get('generateName')} "
+                f"in {owner_kind} {owner['metadata']['name']} failed: {error}"
+            )
+            if message not in self.failed_creates:
+                await self.cluster.api(
+                    "POST",
+                    f"/api/v1/namespaces/{namespace}/events",
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Event",
+                        "metadata": {"generateName": f"{owner['metadata']['name']}.", "namespace": namespace},
+                        "involvedObject": {
+                            "apiVersion": "apps/v1",
+                            "kind": owner_kind,
+                            "name": owner["metadata"]["name"],
+                            "uid": owner["metadata"]["uid"],
+                            "namespace": namespace,
+                        },
+                        "reason": "FailedCreate",
+                        "message": message,
+                        "type": "Warning",
+                        "source": {"component": f"{owner_kind.lower()}-controller"},
+                    },
+                )
+                # Noted once the Event exists: a test that saw this may read the Event at once.
+                self.failed_creates.append(message)
 
     async def statefulset_controller(self) -> None:
         c = self.cluster
@@ -189,11 +259,14 @@ class ClusterSim:
         for sts in c.objects("apps/v1/statefulsets", None):
             meta, spec = sts["metadata"], sts["spec"]
             namespace = meta["namespace"]
+            template = spec["template"]
+            # What the real controller stamps on each pod (its ControllerRevision's name): the
+            # reason a StatefulSet's name must leave 11 characters of a label value's 63.
+            revision = f"{meta['name']}-{template_hash(template)}"
             for ordinal in range(int(spec.get("replicas", 1))):
                 name = f"{meta['name']}-{ordinal}"
                 if (namespace, name) in pods:
                     continue
-                template = spec["template"]
                 pod = {
                     "apiVersion": "v1",
                     "kind": "Pod",
@@ -203,32 +276,61 @@ class ClusterSim:
                         "labels": {
                             **template["metadata"].get("labels", {}),
                             "apps.kubernetes.io/pod-index": str(ordinal),
+                            "controller-revision-hash": revision,
+                            "statefulset.kubernetes.io/pod-name": name,
                         },
                         "annotations": dict(template["metadata"].get("annotations", {})),
-                        "ownerReferences": [
-                            {
-                                "apiVersion": "apps/v1",
-                                "kind": "StatefulSet",
-                                "name": meta["name"],
-                                "uid": meta["uid"],
-                                "controller": True,
-                                "blockOwnerDeletion": True,
-                            }
-                        ],
+                        "ownerReferences": [_owner("StatefulSet", meta)],
                     },
                     "spec": {**template["spec"], "hostname": name, "subdomain": spec.get("serviceName")},
                 }
-                await c.api("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+                await self._create_pod("StatefulSet", sts, pod)
             for (ns, name), pod in pods.items():
-                owners = pod["metadata"].get("ownerReferences") or []
                 ordinal = name.rsplit("-", 1)[-1]
                 if (
                     ns == namespace
-                    and any(ref.get("uid") == meta["uid"] for ref in owners)
+                    and _owned_by(pod, meta["uid"])
                     and ordinal.isdigit()
                     and int(ordinal) >= int(spec.get("replicas", 1))
+                    and not pod["metadata"].get("deletionTimestamp")
                 ):
                     await c.api("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
+
+    async def deployment_controller(self) -> None:
+        """Pods NAME-HASH-XXXXX from each Deployment's template (no ReplicaSet in between): as
+        many as `replicas`; a changed template replaces them all (like strategy Recreate)."""
+        c = self.cluster
+        pods = c.objects("v1/pods", None)
+        for deployment in c.objects("apps/v1/deployments", None):
+            meta, spec = deployment["metadata"], deployment["spec"]
+            template = spec["template"]
+            current = template_hash(template)
+            owned = [
+                pod
+                for pod in pods
+                if _owned_by(pod, meta["uid"]) and not pod["metadata"].get("deletionTimestamp")
+            ]
+            outdated = [pod for pod in owned if pod["metadata"]["labels"].get("pod-template-hash") != current]
+            fresh = [pod for pod in owned if pod not in outdated]
+            surplus = fresh[int(spec.get("replicas", 1)) :]
+            for pod in [*outdated, *surplus]:
+                await c.api(
+                    "DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{pod['metadata']['name']}"
+                )
+            for _ in range(int(spec.get("replicas", 1)) - len(fresh)):
+                pod = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        "generateName": f"{meta['name']}-{current}-",
+                        "namespace": meta["namespace"],
+                        "labels": {**template["metadata"].get("labels", {}), "pod-template-hash": current},
+                        "annotations": dict(template["metadata"].get("annotations", {})),
+                        "ownerReferences": [_owner("Deployment", meta)],
+                    },
+                    "spec": dict(template["spec"]),
+                }
+                await self._create_pod("Deployment", deployment, pod)
 
     async def kubelet(self) -> None:
         c = self.cluster
@@ -303,6 +405,7 @@ class ClusterSim:
                 for res, ns, obj in live
                 if (refs := obj["metadata"].get("ownerReferences"))
                 and not any(ref.get("uid") in uids for ref in refs)
+                and not obj["metadata"].get("deletionTimestamp")  # going already (a pod stopping)
             ]
             if not orphans:
                 return
@@ -313,7 +416,9 @@ class ClusterSim:
     async def run_once(self) -> None:
         await self.garbage_collector()
         await self.statefulset_controller()
-        await self.kubelet()
+        await self.deployment_controller()
+        if self.fake_kubelet:
+            await self.kubelet()
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[ClusterSim]:

@@ -9,12 +9,13 @@ launcher's does: until it answers, the operator sees an unreachable engine ("Sta
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,15 +103,32 @@ class EngineEndpoint:
             await self.process.wait()
 
 
-async def start_engine_endpoint(model: Path, env: Mapping[str, str] | None = None) -> EngineEndpoint:
+async def start_engine_endpoint(
+    model: Path, env: Mapping[str, str] | None = None, admin_token: str = ADMIN_TOKEN
+) -> EngineEndpoint:
     """Start `berth serve` on a free 127.0.0.1 port; returns at once (see `wait_up`)."""
     host, port = "127.0.0.1", free_port()
     process = await asyncio.create_subprocess_exec(
         *server_command(model, host, port),
-        env={**os.environ, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})},
+        env={**os.environ, "BERTH_ADMIN_TOKEN": admin_token, **(env or {})},
         stdout=asyncio.subprocess.DEVNULL,
     )
-    return EngineEndpoint(process, host, port)
+    return EngineEndpoint(process, host, port, admin_token)
+
+
+SecretReader = Callable[[str, str], "Mapping[str, Any] | None"]  # (namespace, name) -> Secret
+
+
+def pod_admin_token(pod: Mapping[str, Any], read_secret: SecretReader) -> str | None:
+    """The BERTH_ADMIN_TOKEN a launcher pod's container gets from its Secret (as a kubelet
+    resolves `valueFrom.secretKeyRef`)."""
+    for var in pod["spec"]["containers"][0].get("env") or []:
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if var["name"] == "BERTH_ADMIN_TOKEN" and ref:
+            secret = read_secret(pod["metadata"]["namespace"], ref["name"]) or {}
+            data = (secret.get("data") or {}).get(ref["key"])
+            return base64.b64decode(data).decode() if data else None
+    return None
 
 
 @dataclass
@@ -119,6 +137,8 @@ class EngineFleet:
     the pod is gone, and the operator's address resolver maps the pod to it."""
 
     model: Path  # the checkpoint every server loads
+    # Reads the pod's Secrets, so each server takes the admin token the operator generated.
+    read_secret: SecretReader | None = None
     endpoints: dict[str, EngineEndpoint] = field(default_factory=dict)  # launcher pod uid -> server
     started: list[str] = field(default_factory=list)  # pod names, in start order
     _names: dict[str, str] = field(default_factory=dict)  # launcher pod uid -> pod name
@@ -130,7 +150,8 @@ class EngineFleet:
     async def on_pod_start(self, pod: dict[str, Any]) -> None:
         if self.is_launcher(pod):
             uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
-            self.endpoints[uid] = await start_engine_endpoint(self.model)
+            token = pod_admin_token(pod, self.read_secret) if self.read_secret is not None else None
+            self.endpoints[uid] = await start_engine_endpoint(self.model, admin_token=token or ADMIN_TOKEN)
             self._names[uid] = name
             self.started.append(name)
 

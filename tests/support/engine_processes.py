@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 WORKER_MODULE = "berth.engine.executor.worker"
+POSTPROCESS_MODULE = "berth.engine.executor.postprocess_worker"
 
 
 def pid_alive(pid: int) -> bool:
@@ -20,8 +25,9 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
-def worker_pids(parent: int | None = None) -> list[int]:
-    """Live worker processes whose parent is `parent` (default: this process)."""
+def worker_pids(parent: int | None = None, module: str = WORKER_MODULE) -> list[int]:
+    """Live worker processes (`module`: engine workers, or postprocess workers) whose parent is
+    `parent` (default: this process)."""
     parent = os.getpid() if parent is None else parent
     found = []
     for entry in Path("/proc").iterdir():
@@ -33,7 +39,7 @@ def worker_pids(parent: int | None = None) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[-1].split()
-        if int(fields[1]) == parent and WORKER_MODULE in cmdline and fields[0] not in ("Z", "X"):
+        if int(fields[1]) == parent and f"-m {module} " in cmdline and fields[0] not in ("Z", "X"):
             found.append(int(entry.name))
     return found
 
@@ -66,3 +72,30 @@ def call_with_timeout(function: Callable[[], object], timeout: float) -> object:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def world_processes(parent: int | None = None) -> list[psutil.Process]:
+    """The live processes of the worlds `parent` (default: this process) started, wherever they
+    are in the process tree: mpiexec and every rank (ranks are mpiexec's grandchildren, and
+    orphans of nobody once it is gone), found by the `--parent-pid` on their command line."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        cmdline = process.info["cmdline"] or []
+        if process.info["status"] == psutil.STATUS_ZOMBIE or WORKER_MODULE not in cmdline:
+            continue
+        if any(a == "--parent-pid" and b == str(parent) for a, b in itertools.pairwise(cmdline)):
+            found.append(process)
+    return found
+
+
+def no_world_outlives(parent: int | None = None, timeout: float = 10) -> None:
+    """Fails (after killing them) if processes of `parent`'s worlds are still running after
+    `timeout` seconds."""
+    wait_until(lambda: not world_processes(parent), timeout=timeout, interval=0.1)
+    leftovers = world_processes(parent)
+    for process in leftovers:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    described = [(p.pid, p.info["cmdline"][:3]) for p in leftovers]
+    assert not leftovers, f"world processes left running: {described}"

@@ -12,6 +12,13 @@ Further gaps found while building the operator's tests, fixed here too:
 - the status subresource is not separate: a main-resource write may change status and a
   `/status` write may change spec; both now behave like the API server's;
 - list ignores `labelSelector` (every list returns the whole namespace): filtered here;
+- every get, list and watch scans every stored object of every kind, comparing resources
+  through a pattern-matching __eq__ (O(objects) per request, O(N^2) for N deployments: the
+  benchmark's 100 deployments spent most of their time there): objects are looked up by key,
+  and listed from a per-resource index kept as the store grows;
+- the scale subresource answers with the object itself (kubectl scale cannot decode it): it
+  now speaks autoscaling/v1 Scale through the CRD's paths (.spec.replicas, .status.replicas,
+  .status.selector), as `kubectl scale` and an HPA use it;
 - every request is matched against each reaction by scanning the whole request history
   (`request in view` iterates every past request through the filters), so each request costs
   O(requests so far): 100 LLMDeployments took minutes. A filter now tests the one request.
@@ -26,10 +33,14 @@ import itertools
 import re
 import secrets
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import kmock
 from kmock._internal import dicts, dsl, enums, parsing, rendering
+from kmock._internal.k8s import KubernetesScaffold
+
+from tests.support import api_rules
 
 _original_parse_path = parsing.parse_path
 
@@ -136,16 +147,197 @@ class Emulator(kmock.KubernetesEmulator):
             return None
         return None if obj.deleted else copy.deepcopy(obj.raw)
 
+    def _index(self) -> dict[tuple[str | None, str | None, str | None], list[Any]]:
+        """(group, version, plural) -> the store's keys of that resource, in creation order.
+        The store only grows (deletions are soft) but for an explicit `del`: new keys are at its
+        end; a smaller store rebuilds the index."""
+        store = self._objects._objects
+        if len(store) < self._indexed:
+            self._by_resource, self._indexed = {}, 0
+        if len(store) > self._indexed:
+            for key in itertools.islice(store, self._indexed, None):
+                resource = key[0]
+                self._by_resource.setdefault((resource.group, resource.version, resource.plural), []).append(
+                    key
+                )
+            self._indexed = len(store)
+        return self._by_resource
+
+    def _KubernetesEmulator__get_objs(self, request: Any, strict: bool) -> list[Any]:
+        # Same answer as kmock's own scan (see the module docstring), by key and by index.
+        store = self._objects._objects
+        wanted = request.resource
+        keys = self._index().get((wanted.group, wanted.version, wanted.plural), [])
+        found = []
+        for key in keys:
+            _, namespace, name = key
+            if strict and namespace != request.namespace:
+                continue
+            if not strict and request.namespace is not None and namespace != request.namespace:
+                continue
+            if request.name is not None and name != request.name:
+                continue
+            found.append(store[key])
+        return found
+
+    def _get_resources(self) -> list[Any]:
+        # The declared resources (the scaffold's), plus those of stored objects (kmock's rule).
+        resources = set(KubernetesScaffold._get_resources(self))
+        resources.update(keys[0][0] for keys in self._index().values() if keys)
+        return list(resources)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._by_resource: dict[tuple[str | None, str | None, str | None], list[Any]] = {}
+        self._indexed = 0
+        # Set per instance: tests arm them.
+        self.slow_creates = {}
+        self.failures: list[tuple[str, str, str | None, int]] = []  # (method, plural, subresource, status)
+        # Extra rewrites a test wants the "server" to make: f(plural, body) on creates and patches.
+        self.normalizers: list[Callable[[str, dict[str, Any]], None]] = []
+
+    def fail_next(self, method: str, plural: str, subresource: str | None = None, status: int = 500) -> None:
+        """The next matching request fails with `status` (an API server having a bad moment)."""
+        self.failures.append((method.upper(), plural, subresource, status))
+
+    def _injected_failure(self, request: Any) -> int | None:
+        for index, (method, plural, subresource, status) in enumerate(self.failures):
+            if (
+                request.method.value.upper() == method
+                and request.resource.plural == plural
+                and request.subresource == subresource
+            ):
+                del self.failures[index]
+                return status
+        return None
+
     async def _handle(self, request: Any) -> Any:
+        if request.resource is not None:
+            status = self._injected_failure(request)
+            if status is not None:
+                return await _status_response(status, "InternalError", "injected failure (test)")(request)
         if request.resource is not None and isinstance(request.data, dict):
+            plural = request.resource.plural or ""
+            if request.action in (enums.action.CREATE, enums.action.UPDATE) and request.subresource is None:
+                problems = api_rules.problems(
+                    plural, request.data, creating=request.action == enums.action.CREATE
+                )
+                if problems:
+                    kind = (self.resources.get(request.resource) or kmock.ResourceInfo()).kind or plural
+                    name = (request.data.get("metadata") or {}).get("name") or request.name
+                    message = f'{kind} "{name}" is invalid: ' + "; ".join(problems)
+                    return await _status_response(422, "Invalid", message)(request)
+                api_rules.normalize(request.data)
+                for normalizer in self.normalizers:
+                    normalizer(plural, request.data)
             if request.action == enums.action.CREATE:
                 self._stamp_create(request)
-                delay = self.slow_creates.get(request.resource.plural or "")
+                delay = self.slow_creates.get(plural)
                 if delay:
                     await asyncio.sleep(delay)
             elif request.action == enums.action.UPDATE:
                 self._stamp_update(request)
+        if request.resource is not None and request.subresource == "scale":
+            return await self._scale(request)
+        if (
+            request.action == enums.action.DELETE
+            and request.resource is not None
+            and request.resource.plural == "pods"
+        ):
+            response = await self._delete_pod(request)
+            if response is not None:
+                return response
         return await super()._handle(request)
+
+    async def _scale(self, request: Any) -> Any:
+        """GET / PATCH / PUT of `.../scale` for a custom resource (specReplicasPath .spec.replicas)."""
+        try:
+            stored = self.objects[request.resource, request.namespace, request.name]
+        except KeyError:
+            stored = None
+        if stored is None or stored.deleted:
+            return await _status_response(404, "NotFound", f"{request.name} not found")(request)
+        if request.method.value.upper() in ("PATCH", "PUT"):
+            replicas = (
+                ((request.data or {}).get("spec") or {}).get("replicas")
+                if isinstance(request.data, dict)
+                else None
+            )
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                return await _status_response(
+                    422, "Invalid", "spec.replicas: must be a non-negative integer"
+                )(request)
+            async with self._lock:
+                raw = stored.raw
+                if (raw.get("spec") or {}).get("replicas") != replicas:
+                    generation = int(raw["metadata"].get("generation", 1)) + 1
+                    stored.patch(
+                        {
+                            "spec": {"replicas": replicas},
+                            "metadata": {
+                                "generation": generation,
+                                "resourceVersion": str(next(self._resource_versions)),
+                            },
+                        }
+                    )
+                    await self._buses[request.resource].put(
+                        {"type": "MODIFIED", "object": copy.deepcopy(stored.raw)}
+                    )
+        raw = stored.raw
+        scale = {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {
+                key: raw["metadata"].get(key) for key in ("name", "namespace", "uid", "resourceVersion")
+            },
+            "spec": {"replicas": (raw.get("spec") or {}).get("replicas", 0)},
+            "status": {
+                "replicas": (raw.get("status") or {}).get("replicas", 0),
+                "selector": (raw.get("status") or {}).get("selector", ""),
+            },
+        }
+        return await kmock.Response(status=200, payload=scale)(request)
+
+    async def _delete_pod(self, request: Any) -> Any:
+        """Graceful deletion, as the API server does it for a pod bound to a node: the first
+        DELETE only sets deletionTimestamp (+ the grace period); the kubelet stops the pod and
+        confirms with gracePeriodSeconds=0, which removes it. Unbound pods go at once."""
+        key = (request.resource, request.namespace, request.name)
+        try:
+            stored = self.objects[key]
+        except KeyError:
+            return None
+        if stored.deleted:
+            return None
+        raw = copy.deepcopy(stored.raw)
+        options = request.data if isinstance(request.data, dict) else {}
+        grace = options.get("gracePeriodSeconds", (request.params or {}).get("gracePeriodSeconds"))
+        bound = bool((raw.get("spec") or {}).get("nodeName"))
+        if not bound or (grace is not None and int(grace) == 0):
+            if raw["metadata"].get("deletionTimestamp") and not raw["metadata"].get("finalizers"):
+                # kmock keeps an object already marked for deletion: remove it here.
+                async with self._lock:
+                    stored.delete()
+                    await self._buses[request.resource].put({"type": "DELETED", "object": raw})
+                return await kmock.Response(status=200, payload=raw)(request)
+            return None
+        if not raw["metadata"].get("deletionTimestamp"):
+            if grace is None:
+                grace = (raw.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+            stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            async with self._lock:
+                stored.patch(
+                    {
+                        "metadata": {
+                            "deletionTimestamp": stamp,
+                            "deletionGracePeriodSeconds": int(grace),
+                            "resourceVersion": str(next(self._resource_versions)),
+                        }
+                    }
+                )
+                raw = copy.deepcopy(stored.raw)
+                await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return await kmock.Response(status=200, payload=raw)(request)
 
     def _stamp_create(self, request: Any) -> None:
         meta = request.data.setdefault("metadata", {})
@@ -206,6 +398,21 @@ class Emulator(kmock.KubernetesEmulator):
                 if matches_selector(item.get("metadata", {}).get("labels") or {}, selector)
             ]
         return doc
+
+
+def _status_response(status: int, reason: str, message: str) -> Any:
+    return kmock.Response(
+        status=status,
+        payload={
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": status,
+        },
+    )
 
 
 def declare_resources(emulator: kmock.KubernetesEmulator, namespaces: tuple[str, ...] = ("default",)) -> None:

@@ -1,4 +1,4 @@
-"""`LlmRequest`: one sequence as the engine schedules it."""
+"""`Sequence`: one output sequence of a request, as the engine schedules it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from berth.engine.sampling_params import SamplingParams
 
 
-class RequestState(enum.Enum):
+class SequenceState(enum.Enum):
     WAITING = "waiting"  # in the waiting queue (new, or preempted and to be recomputed)
     CONTEXT_IN_PROGRESS = "context"  # prefilling its prompt, possibly over several chunks
     GENERATION_IN_PROGRESS = "generation"  # decoding one token per step
@@ -20,18 +20,19 @@ class RequestState(enum.Enum):
 _arrival_order = itertools.count()
 
 
-class LlmRequest:
+class Sequence:
     """A sequence's tokens, how far the KV cache covers them, and the blocks that hold them.
 
     The engine does not distinguish prefill from decode: each step computes the tokens not
     yet in the cache (`num_tokens - num_computed_tokens`), a whole prompt, a chunk of one, or
     the one token sampled last. When everything known is computed, the next token is sampled.
-    A request with `n > 1` becomes `n` LlmRequests sharing a `group`.
+    A request with `n > 1` becomes `n` sequences sharing a `group` and the request's id;
+    `seq_index` tells them apart.
     """
 
     def __init__(
         self,
-        client_id: int,
+        request_id: int,
         seq_index: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -39,9 +40,10 @@ class LlmRequest:
         priority: float,
         max_tokens: int,
         arrival_time: float,
-        group: list[LlmRequest] | None = None,
+        cache_salt: str | None = None,
+        group: list[Sequence] | None = None,
     ) -> None:
-        self.client_id = client_id
+        self.request_id = request_id
         self.seq_index = seq_index
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -51,14 +53,18 @@ class LlmRequest:
         self.arrival_time = arrival_time
         self.arrival_order = next(_arrival_order)
         self.group = group if group is not None else [self]
-        self.state = RequestState.WAITING
+        self.state = SequenceState.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # Prefix caching: the chained hashes of the full blocks of `token_ids` (they never change:
+        # tokens are only appended), and how many of `block_ids` are recorded in the cache.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
         self.finish_reason: str | None = None
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None  # a stop token id; for an abort, why (if known)
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
         # What has been sent back: streamed sequences send every step, others once at the end.
         self.streaming = False
         self.num_sent_tokens = 0
@@ -83,21 +89,21 @@ class LlmRequest:
 
     @property
     def finished(self) -> bool:
-        return self.state is RequestState.FINISHED
+        return self.state is SequenceState.FINISHED
 
-    def finish(self, reason: str, stop_reason: int | None = None) -> None:
-        self.state = RequestState.FINISHED
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.state = SequenceState.FINISHED
         self.finish_reason, self.stop_reason = reason, stop_reason
 
     def reset_for_recompute(self) -> None:
         """Preempted: its cache is gone; prompt and output so far are recomputed on re-admission."""
-        self.state = RequestState.WAITING
+        self.state = SequenceState.WAITING
         self.num_computed_tokens = 0
         self.block_ids = []
         self.num_preemptions += 1
 
     def __repr__(self) -> str:
         return (
-            f"LlmRequest(client_id={self.client_id}, seq={self.seq_index}, state={self.state.value}, "
+            f"Sequence(request_id={self.request_id}, seq={self.seq_index}, state={self.state.value}, "
             f"tokens={self.num_computed_tokens}/{self.num_tokens})"
         )

@@ -1,0 +1,293 @@
+"""The kernel interface for CPU tensors, made fast: same signatures and semantics as `reference`.
+
+Where the time goes on a CPU, and what this backend does about it (the torch reference stays
+the definition of correct, and the tests hold this backend to it):
+
+- Linear layers: oneDNN with weights packed once at load (`pack_linear_weight`), instead of
+  torch's default GEMM, which on some CPUs (AMD's, for float32) runs at half their speed and
+  re-lays out bfloat16 weights on every call.
+- Attention: a C kernel (`cpu/paged_attention.c`) that reads each sequence's keys and values
+  in place in the paged cache, for every decode and every prompt token of the step in one
+  call, instead of gathering the whole context of every sequence into a dense tensor every
+  step and padding all prompts to the longest. Long prompts (`LONG_PREFILL`) go to SDPA's
+  flash kernel instead, which computes in GEMM tiles.
+- Norms, RoPE, SiLU and the KV cache write: one C call each (`cpu/elementwise.c`) where torch
+  needs 2-25 small operators; at decode batch sizes dispatching those costs more than the math.
+
+Anything these kernels do not take (another dtype, a layout they cannot read, no C compiler)
+goes to the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from berth.kernels import reference
+from berth.kernels.cpu import build
+from berth.kernels.metadata import AttentionMetadata
+
+_PACKABLE = (torch.float32, torch.bfloat16)
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_attention": [_P, _I] + [_P] * 4 + [_I] + [_P] * 3 + [_I] * 5 + [_F],
+    "rms_norm": [_P] * 5 + [_I, _I, _F],
+    "rotary": [_P, _P, _I, _I, _P, _I, _I, _I, _P, _I, _I],
+    "silu_and_mul": [_P, _P, _I, _I],
+    "write_kv_cache": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+}
+
+
+def _c_function(library: str, name: str, dtype: torch.dtype):
+    """`NAME_<dtype>` from the C library, typed; None where there is none for this dtype."""
+    if dtype not in _SUFFIX:
+        return None
+    loaded = build.load(library)
+    if loaded is None:
+        return None
+    function = getattr(loaded, name if name == "write_kv_cache" else f"{name}_{_SUFFIX[dtype]}")
+    if function.argtypes is None:
+        function.argtypes = _SIGNATURES[name]
+        function.restype = ctypes.c_int if name == "paged_attention" else None
+    return function
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    function = _c_function("elementwise", "rms_norm", x.dtype)
+    plain = x.is_contiguous() and weight.dtype == x.dtype and weight.is_contiguous()
+    if residual is not None:
+        plain = plain and residual.dtype == x.dtype and residual.is_contiguous() and residual.shape == x.shape
+    if function is None or not plain:
+        return reference.rms_norm(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else None
+    hidden = x.shape[-1]
+    function(
+        x.data_ptr(),
+        residual.data_ptr() if residual is not None else None,
+        summed.data_ptr() if summed is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+    )
+    return out if residual is None else (out, summed)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Rotates `query` [T, Hq, D] and `key` [T, Hk, D] in place (any row stride, dense heads)."""
+    function = _c_function("elementwise", "rotary", query.dtype)
+    dense_heads = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key))
+    if (
+        function is None
+        or not dense_heads
+        or key.dtype != query.dtype
+        or positions.dtype != torch.int64
+        or not positions.is_contiguous()
+        or cos_sin_cache.dtype != torch.float32
+        or not cos_sin_cache.is_contiguous()
+    ):
+        reference.rotary_embedding(positions, query, key, cos_sin_cache)
+        return
+    function(
+        positions.data_ptr(),
+        query.data_ptr(),
+        query.stride(0),
+        query.shape[1],
+        key.data_ptr(),
+        key.stride(0),
+        key.shape[1],
+        query.shape[2],
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.shape[1],
+        query.shape[0],
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    function = _c_function("elementwise", "silu_and_mul", x.dtype)
+    if function is None or not x.is_contiguous():
+        return reference.silu_and_mul(x)
+    width = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
+    function(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], width)
+    return out
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    function = _c_function("elementwise", "write_kv_cache", key.dtype)
+    dense = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+    if (
+        function is None
+        or not dense
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype)
+        or slot_mapping.dtype != torch.int64
+        or not slot_mapping.is_contiguous()
+    ):
+        reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    size = key.element_size()
+    function(
+        key.data_ptr(),
+        key.stride(0) * size,
+        value.data_ptr(),
+        value.stride(0) * size,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        key.shape[0],
+        key.shape[1] * key.shape[2] * size,
+    )
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN takes packed weights of `dtype` on this CPU: bf16 needs AVX-512 (or
+    AVX-NE-CONVERT), which not every x86 machine has (an AVX2-only EPYC refuses to pack)."""
+    if dtype not in _PACKABLE or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] re-laid out once for oneDNN's GEMM; None where oneDNN cannot take it."""
+    if weight.device.type != "cpu" or not onednn_packs(weight.dtype):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+# The overload itself: calling through `torch.ops.mkldnn._linear_pointwise` resolves it every time.
+_onednn_linear = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:
+    if packed is None or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    return _onednn_linear(x, packed, bias, "none", [], "")
+
+
+# A prompt (chunk) with more new tokens than this goes to SDPA's flash kernel, which works in
+# GEMM-sized tiles; shorter ones are cheaper token by token in the C kernel, in the same call
+# as the decodes (one parallel region per layer instead of a handful of small ops per sequence).
+LONG_PREFILL = 512
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]."""
+    md = metadata
+    kernel = _attention_kernel(query, key_cache)
+    if kernel is None:
+        return reference.paged_attention(query, key_cache, value_cache, md, scale)
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if "cpu_plan" not in md.derived:  # the same for every layer of the step
+        md.derived["cpu_plan"] = _plan(md)
+    rows, seqs, context_lens, block_tables, long_prefills = md.derived["cpu_plan"]
+    for seq in long_prefills:
+        _attend_prefill(seq, query, key_cache, value_cache, md, scale, out)
+    if rows.numel():
+        num_kv_heads, head_dim = key_cache.shape[-2:]
+        status = kernel(
+            query.data_ptr(),
+            query.stride(0),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            out.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            rows.data_ptr(),
+            seqs.data_ptr(),
+            context_lens.data_ptr(),
+            rows.numel(),
+            query.shape[1],
+            num_kv_heads,
+            head_dim,
+            key_cache.shape[1],
+            scale,
+        )
+        if status != 0:
+            raise ValueError(
+                f"paged attention kernel refused shapes {tuple(query.shape)} / {tuple(key_cache.shape)}"
+            )
+    return out
+
+
+def _plan(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Per new token: its row, its sequence and how many positions it attends to (its position
+    + 1: causal), and the block tables as the kernel reads them (int32, rows dense); the tokens
+    of long prefills are left out and listed for SDPA instead."""
+    starts = md.query_start_loc.long()
+    query_lens = starts[1:] - starts[:-1]
+    seqs = torch.repeat_interleave(torch.arange(md.num_seqs), query_lens)
+    tokens = torch.arange(seqs.numel())
+    context_lens = md.seq_lens.long()[seqs] - query_lens[seqs] + (tokens - starts[seqs]) + 1
+    long_prefills = [
+        seq for seq, length in enumerate(query_lens[: md.num_prefills].tolist()) if length > LONG_PREFILL
+    ]
+    if long_prefills:
+        keep = ~torch.isin(seqs, torch.tensor(long_prefills))
+        tokens, seqs, context_lens = tokens[keep], seqs[keep], context_lens[keep]
+    as_int32 = (t.to(torch.int32).contiguous() for t in (tokens, seqs, context_lens, md.block_tables))
+    return (*as_int32, long_prefills)
+
+
+def _attention_kernel(query: torch.Tensor, key_cache: torch.Tensor):
+    """The C function for this dtype, or None (no compiler, other dtype, a layout it cannot read)."""
+    if key_cache.dtype != query.dtype or not key_cache.is_contiguous():
+        return None
+    return _c_function("paged_attention", "paged_attention", query.dtype)
+
+
+def _attend_prefill(
+    seq: int, query, key_cache, value_cache, md: AttentionMetadata, scale: float, out
+) -> None:
+    """One long prompt (chunk) through SDPA over its gathered context."""
+    start, end = (int(x) for x in md.query_start_loc[seq : seq + 2])
+    seq_len = int(md.seq_lens[seq])
+    num_new = end - start
+    cached = seq_len - num_new
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    block_size = key_cache.shape[1]
+    if cached == 0:  # a whole prompt, or its first chunk: its own new tokens only
+        slots, mask = md.slot_mapping[start:end], None
+    else:
+        positions = torch.arange(seq_len)
+        slots = md.block_tables[seq].long()[positions // block_size] * block_size + positions % block_size
+        # Bottom-right causal: new token i sits at position cached + i.
+        mask = positions[None] <= (cached + torch.arange(num_new))[:, None]
+    # 4-D, [1, heads, tokens, dim]: with 3-D tensors SDPA takes its slow math path on the CPU.
+    keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).transpose(0, 1)[None]
+    values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).transpose(0, 1)[None]
+    attended = F.scaled_dot_product_attention(
+        query[start:end].transpose(0, 1)[None],
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )[0]
+    out[start:end] = attended.transpose(0, 1)

@@ -1,0 +1,177 @@
+"""The CPU backend (C kernels, oneDNN GEMMs on packed weights) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from berth.kernels import cpu_ops, reference
+from berth.kernels.cpu import build
+from berth.kernels.rope import rope_cos_sin_cache
+from berth.kernels.synthetic_batch import random_paged_batch
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def test_the_c_kernels_build_here():
+    """This machine has a C compiler: the fast path must really run, not fall back silently."""
+    assert build.load("paged_attention") is not None
+    assert build.load("elementwise") is not None
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone():
+    """A library linked with -ffast-math would switch the whole process to flush subnormals."""
+    assert build.load("paged_attention") is not None and build.load("elementwise") is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # a subnormal float32
+    assert (tiny * 1.0).item() != 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("seqs", "num_prefills"),
+    [
+        ([(0, 1), (0, 17), (0, 45)], 3),
+        ([(37, 20), (64, 33), (100, 1)], 3),  # chunks over a cached prefix
+        ([(0, 23), (40, 9), (0, 1), (14, 1), (250, 1), (31, 1)], 2),  # prefills and decodes
+        ([(15, 1), (16, 1), (17, 1), (0, 1), (300, 1)], 0),  # decodes across block edges
+        ([(0, 600), (100, 520), (0, 30), (3, 1)], 3),  # long prompts: SDPA beside the C kernel
+    ],
+    ids=["prefills", "chunked", "mixed", "decodes", "long"],
+)
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 32), (6, 2, 48, 8)],  # 48: the kernel's generic head size
+)
+def test_paged_attention_matches_the_reference(
+    dtype, seqs, num_prefills, num_q_heads, num_kv_heads, head_dim, block_size
+):
+    batch = random_paged_batch(
+        seqs, num_prefills, num_q_heads, num_kv_heads, head_dim, block_size, dtype=dtype, seed=3
+    )
+    scale = head_dim**-0.5
+    args = (batch.key_cache, batch.value_cache, batch.metadata, scale)
+    expected = reference.paged_attention(batch.query, *args)
+    actual = cpu_ops.paged_attention(batch.query, *args)
+    assert not actual.isnan().any(), "read a slot no sequence owns"
+    close(actual, expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
+
+
+def test_decode_attention_reads_queries_through_a_row_stride():
+    """The model hands over a view of the fused QKV output; the result must not change."""
+    batch = random_paged_batch([(20, 1), (70, 1)], 0, 8, 2, 64, 16, seed=4)
+    fused = torch.randn(2, (8 + 2 * 2) * 64)
+    fused[:, : 8 * 64] = batch.query.reshape(2, -1)
+    view = fused[:, : 8 * 64].view(2, 8, 64)
+    assert not view.is_contiguous()
+    args = (batch.key_cache, batch.value_cache, batch.metadata, 0.125)
+    close(cpu_ops.paged_attention(view, *args), reference.paged_attention(batch.query, *args), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_reference(dtype, with_residual):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 576, generator=generator).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    residual = torch.randn(7, 576, generator=generator).to(dtype) if with_residual else None
+    kept = residual.clone() if with_residual else None
+    actual = cpu_ops.rms_norm(x, weight, 1e-5, residual)
+    expected = reference.rms_norm(x, weight, 1e-5, residual)
+    atol = 1e-5 if dtype == torch.float32 else 0.0
+    if with_residual:
+        close(actual[0], expected[0], atol)
+        close(actual[1], expected[1], atol)
+        assert torch.equal(residual, kept), "the caller's residual must not be overwritten"
+    else:
+        close(actual, expected, atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_in_place_on_views_of_the_fused_projection(dtype):
+    tokens, q_heads, k_heads, head_dim = 6, 9, 3, 64
+    table = rope_cos_sin_cache(head_dim, 2048, 100000.0)
+    positions = torch.tensor([0, 1, 15, 16, 700, 2047])
+    fused = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim).to(dtype)
+    mine, theirs = fused.clone(), fused.clone()
+
+    def views(buffer):
+        q, k, _ = buffer.split([q_heads * head_dim, k_heads * head_dim, k_heads * head_dim], dim=-1)
+        return q.view(tokens, q_heads, head_dim), k.view(tokens, k_heads, head_dim)
+
+    cpu_ops.rotary_embedding(positions, *views(mine), table)
+    reference.rotary_embedding(positions, *views(theirs), table)
+    close(mine, theirs, atol=1e-6 if dtype == torch.float32 else 0.0)
+    assert torch.equal(mine[:, -k_heads * head_dim :], fused[:, -k_heads * head_dim :]), "V is untouched"
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])  # a plain copy: any dtype
+def test_write_kv_cache_from_views_of_the_fused_projection(dtype):
+    tokens, heads, head_dim = 5, 3, 64
+    fused = torch.randn(tokens, (9 + 2 * heads) * head_dim).to(dtype)
+    _, key, value = fused.split([9 * head_dim, heads * head_dim, heads * head_dim], dim=-1)
+    key, value = key.view(tokens, heads, head_dim), value.view(tokens, heads, head_dim)
+    slots = torch.tensor([7, 0, 33, 16, 63])
+    caches = [torch.full((4, 16, heads, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+    cpu_ops.write_kv_cache(key, value, caches[0], caches[1], slots)
+    reference.write_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
+    assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())
+    assert caches[0].isnan().sum() == (64 - tokens) * heads * head_dim, "only the given slots are written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_the_reference(dtype):
+    x = torch.randn(5, 2 * 1536).to(dtype)
+    close(cpu_ops.silu_and_mul(x), reference.silu_and_mul(x), atol=1e-6 if dtype == torch.float32 else 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_on_packed_weights_is_a_linear(dtype, rows, bias):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 48, generator=generator).to(dtype)
+    b = torch.randn(96, generator=generator).to(dtype) if bias else None
+    x = torch.randn(rows, 48, generator=generator).to(dtype)
+    packed = cpu_ops.pack_linear_weight(weight)
+    # bf16 packs only where the CPU has the instructions (AVX-512 / AMX): elsewhere F.linear.
+    assert (packed is not None) == cpu_ops.onednn_packs(dtype)
+    atol = 1e-4 if dtype == torch.float32 else 0.1
+    close(cpu_ops.linear(x, weight, b, packed), F.linear(x, weight, b), atol=atol, rtol=1e-2)
+
+
+def test_without_a_compiler_everything_falls_back_to_the_reference(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("BERTH_KERNEL_CACHE", str(tmp_path / "cache"))
+    build.load.cache_clear()
+    try:
+        assert build.load("paged_attention") is None
+        batch = random_paged_batch([(0, 5), (9, 1)], 1, 4, 2, 32, 8, seed=5)
+        args = (batch.key_cache, batch.value_cache, batch.metadata, 0.2)
+        close(cpu_ops.paged_attention(batch.query, *args), reference.paged_attention(batch.query, *args), 0.0)
+        x = torch.randn(3, 2 * 16)
+        close(cpu_ops.silu_and_mul(x), reference.silu_and_mul(x), 0.0)
+    finally:
+        build.load.cache_clear()
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_build_is_cached_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("BERTH_KERNEL_CACHE", str(tmp_path))
+    build.load.cache_clear()
+    try:
+        assert build.load("elementwise") is not None
+        built = sorted(tmp_path.iterdir())
+        assert [path.suffix for path in built] == [".so"], "one library, no half-written leftovers"
+        stamp = built[0].stat().st_mtime_ns
+        build.load.cache_clear()
+        assert build.load("elementwise") is not None
+        assert sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
+    finally:
+        build.load.cache_clear()

@@ -1,0 +1,253 @@
+"""End to end through the real operator: `kubectl apply` of the CPU example (a tiny checkpoint,
+two ranks), kopf against the emulator, the cluster's controllers, and the test kubelet running
+every pod's rendered command in its own namespaces (tests/support/e2e.py).
+
+Asserted: the worker pods run the image's sshd and become Ready by their probe; the launcher
+pod runs its rendered `berth launch ...`, whose mpirun starts the two ranks in the worker pods
+over ssh, and the world serves transformers' greedy tokens through the Service. A launcher that
+cannot start fails with its command's exit code and error, the operator restarts the world,
+gives up after the budget, and says why in status and Events, in the launcher's own words.
+kill -9 of a rank in a worker pod ends the world; the operator restarts it whole and it serves
+again, through the Service and through its frontend pod, which attaches to the new launcher
+without being restarted. Deleting the LLMDeployment leaves no process, namespace or veth of any pod behind.
+
+The renderer-coverage test runs every command the renderer emits (the launcher's `berth launch
+... --attach-port`, the workers' sshd, the frontend's `berth serve --attach` to the launcher)
+and says which did not become ready in the kubelet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from berth.operator import naming
+from tests.engine.conftest import hf_greedy
+from tests.support import e2e
+from tests.support.cluster import Cluster
+from tests.support.kubelet import Kubelet
+from tests.support.pod_state import processes_in
+
+# A tiny world: two CPU ranks, fast polls, a small restart budget (the launcher cannot start).
+HEALTH = dict(
+    intervalSeconds=1,
+    timeoutSeconds=1,
+    maxRestarts=1,
+    backoffSeconds=1,
+    maxBackoffSeconds=1,
+    startupTimeoutSeconds=120,
+)
+START_TIMEOUT = 120.0
+
+
+@pytest.fixture
+def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint, readable by the pods' non-root user."""
+    return e2e.shareable_copy(tiny_model, tmp_path_factory.mktemp("models"))
+
+
+async def test_the_rendered_pods_run_and_a_launcher_that_cannot_start_is_visible(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    manifest = e2e.tiny_cpu_example(models, tensorParallelSize=2, health=HEALTH)
+    manifest["spec"]["model"]["path"] += "-missing"  # not on the volume: the launcher cannot start
+    launcher = naming.launcher_pod_name("tiny", 0)
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+        # The workers: the rendered sshd, Ready by their tcpSocket probe on the ssh port.
+        await llmd.wait(
+            lambda: llmd.pod_ready("tiny-w0-0") and llmd.pod_ready("tiny-w0-1"), 60, "workers Ready"
+        )
+        workers = llmd.executions("worker")
+        assert {e.pod for e in workers} >= {"tiny-w0-0", "tiny-w0-1"}
+        assert all(e.argv == ["/usr/sbin/sshd", "-De"] for e in workers)
+
+        # The launcher ran its rendered command, which refused a model it cannot find: the pod
+        # failed with its exit code and its error; the world restarted once, then gave up.
+        await llmd.wait(lambda: llmd.world().get("phase") == "Failed", START_TIMEOUT, "the world Failed")
+        (first, *_) = llmd.executions("launcher")
+        rendered = e2e.rendered_commands(manifest)["launcher"]
+        assert first.argv == rendered and rendered[:2] == ["berth", "launch"]
+        assert first.exit_code == 2
+        error = f"berth launch: error: {manifest['spec']['model']['path']} is not a model directory"
+        assert error in first.log_tail()
+        terminated = llmd.terminated(launcher)
+        assert terminated["exitCode"] == 2 and error in terminated["message"]
+        world = llmd.world()
+        assert world["lastRestartReason"] == "LauncherFailed" and world["restarts"] == 1
+        assert (
+            f"launcher pod {launcher}: container launcher exited with code 2 (Error)"
+            in world["lastEngineError"]
+        )
+        assert error in world["lastEngineError"]
+        degraded = llmd.condition("Degraded")
+        assert degraded["status"] == "True" and error in degraded["message"]
+        assert llmd.status()["phase"] == "Degraded"
+        await llmd.wait(lambda: llmd.events("RestartBudgetExhausted"), 10, "the RestartBudgetExhausted Event")
+        (restarted,) = llmd.events("WorldRestarted")
+        assert error in restarted
+        assert len(llmd.executions("launcher")) == 2  # the first launcher and its one restart
+
+        # Every pod had its own network namespace; deleting the LLMDeployment removes them all.
+        mount_namespaces = [
+            c.mount_namespace for r in kubelet.pods.values() for c in r.containers if c.mount_namespace
+        ]
+        assert mount_namespaces and kubelet.netns_names()
+        await llmd.delete()
+        await llmd.wait(lambda: not cluster.objects("v1/pods"), 60, "every pod gone")
+        await llmd.wait(lambda: not kubelet.netns_names(), 30, "every pod's network namespace removed")
+    for namespace in mount_namespaces:
+        assert processes_in(namespace) == [], f"processes of a deleted pod survived ({namespace})"
+    assert not kubelet.pods
+
+
+async def test_an_applied_world_serves_the_greedy_tokens_of_transformers(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    manifest = e2e.tiny_cpu_example(models, tensorParallelSize=2, health=HEALTH)
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+        await llmd.wait(lambda: llmd.world().get("phase") in ("Ready", "Failed"), START_TIMEOUT, "Ready")
+        assert llmd.world()["phase"] == "Ready", llmd.world().get("lastEngineError")
+        assert llmd.condition("Ready")["status"] == "True"
+        # The Service routes to the launcher once the kubelet's own readiness probe passes too.
+        await llmd.wait(llmd.endpoints, 30, "a ready endpoint")
+        prompt = "the quick brown fox"
+        request = {"model": manifest["spec"]["model"]["path"], "prompt": prompt, "max_tokens": 12}
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(
+                f"{llmd.openai_url()}/completions", json={**request, "temperature": 0}, timeout=60
+            )
+        assert reply.status_code == 200, reply.text
+    tokenizer = AutoTokenizer.from_pretrained(models)
+    model = AutoModelForCausalLM.from_pretrained(models, dtype=torch.float32).eval()
+    expected, _ = hf_greedy(model, tokenizer(prompt)["input_ids"], 12)
+    assert reply.json()["choices"][0]["text"] == tokenizer.decode(expected)
+
+
+async def test_kill_9_of_a_rank_in_a_worker_pod_restarts_the_whole_world_and_its_frontend_serves_again(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    manifest = e2e.tiny_cpu_example(models, tensorParallelSize=2, frontends=1, health=HEALTH)
+    launcher = naming.launcher_pod_name("tiny", 0)
+    request = {"model": manifest["spec"]["model"]["path"], "prompt": "hi", "max_tokens": 4, "temperature": 0}
+
+    async def answer(url: str) -> str:
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(f"{url}/completions", json=request, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
+    def frontend() -> dict:
+        """The frontend pod, once it is ready (it serves the world's engine from its own pod)."""
+        (run,) = llmd.executions("frontend")
+        return llmd.pod(run.pod) if llmd.pod_ready(run.pod) else {}
+
+    async def frontend_answer() -> str:
+        url = f"http://{frontend()['status']['podIP']}:{naming.ENGINE_PORT}/v1"
+        return await answer(url)
+
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+        await llmd.wait(lambda: llmd.world().get("phase") == "Ready", START_TIMEOUT, "the world Ready")
+        await llmd.wait(llmd.endpoints, 30, "a ready endpoint")
+        before = await answer(llmd.openai_url())
+        await llmd.wait(frontend, 60, "the frontend attached and ready")
+        assert await frontend_answer() == before  # the world's engine answers through the frontend
+        frontend_uid = frontend()["metadata"]["uid"]
+        launcher_ip = llmd.pod_status(launcher)["podIP"]
+        pods = {name: llmd.pod(name)["metadata"]["uid"] for name in (launcher, "tiny-w0-0", "tiny-w0-1")}
+
+        # The rank in worker pod 1 (mpirun's, under that pod's sshd), killed -9.
+        (rank,) = [
+            pid
+            for pid in kubelet.processes("tiny-w0-1")
+            if "berth.engine.executor.worker" in " ".join(psutil.Process(pid).cmdline())
+        ]
+        os.kill(rank, signal.SIGKILL)
+
+        # The engine is dead and says so: /health 503 (before the launcher exits with its world).
+        async with httpx.AsyncClient() as client:
+
+            async def health() -> httpx.Response | None:
+                with contextlib.suppress(httpx.TransportError):
+                    reply = await client.get(f"http://{launcher_ip}:{naming.ENGINE_PORT}/health", timeout=2)
+                    return reply if reply.status_code == 503 else None
+                return None
+
+            dead = None
+            deadline = asyncio.get_running_loop().time() + 20
+            while dead is None and asyncio.get_running_loop().time() < deadline:
+                dead = await health()
+                await asyncio.sleep(0.1)
+        assert dead is not None, "/health never answered 503"
+        error = dead.json()["error"]  # hydra's verdict, as the worker pod's proxy reported it
+        assert dead.json()["engine_dead"] is True and "a rank ended with exit code 9" in error, error
+        assert "on tiny-w0-1.tiny-w0.default.svc" in error, error
+
+        # The operator restarts the whole world: new pods for the launcher and both workers.
+        await llmd.wait(lambda: llmd.world().get("restarts") == 1, 60, "the world restarted")
+        await llmd.wait(
+            lambda: all(
+                llmd.pod(name).get("metadata", {}).get("uid") not in (None, uid) for name, uid in pods.items()
+            ),
+            60,
+            "every pod of the world replaced",
+        )
+        await llmd.wait(lambda: llmd.world().get("phase") == "Ready", START_TIMEOUT, "the world Ready again")
+        world = llmd.world()
+        assert world["lastRestartReason"] in ("EngineDead", "LauncherFailed"), world
+        (restarted,) = llmd.events("WorldRestarted")
+        assert world["lastRestartReason"] in restarted or world["lastEngineError"] in restarted, restarted
+        await llmd.wait(llmd.endpoints, 30, "a ready endpoint again")
+        assert await answer(llmd.openai_url()) == before
+        assert len(llmd.executions("launcher")) == 2
+        # The frontend attached to the new launcher by itself: the same pod, never restarted.
+        await llmd.wait(frontend, 60, "the frontend ready again")
+        assert await frontend_answer() == before
+        assert frontend()["metadata"]["uid"] == frontend_uid and len(llmd.executions("frontend")) == 1
+
+
+async def test_every_command_the_renderer_emits_runs_and_becomes_ready(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    manifest = e2e.tiny_cpu_example(models, tensorParallelSize=2, frontends=1, health=HEALTH)
+    commands = e2e.rendered_commands(manifest)
+    assert set(commands) == {"launcher", "worker", "frontend"}
+
+    def settled() -> bool:
+        # Each command became ready, or ran and keeps failing: ended at least twice (the world's
+        # restart, a crash loop) with none of its runs still going.
+        for role in commands:
+            runs = llmd.executions(role)
+            ready = any(e.ready for e in runs)
+            failing = sum(e.exit_code is not None for e in runs) >= 2 and all(
+                e.exit_code is not None for e in runs
+            )
+            if not (ready or failing):
+                return False
+        return True
+
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+        await llmd.wait(settled, START_TIMEOUT, "every rendered command ran")
+        report = []
+        for role, argv in sorted(commands.items()):
+            runs = [e for e in llmd.executions(role) if e.argv == argv]
+            if any(e.ready for e in runs):
+                outcome = "ran and became ready"
+            elif runs:
+                ended = next(e for e in runs if e.exit_code is not None)
+                last = (ended.log_tail().strip().splitlines() or ["(no output)"])[-1]
+                outcome = f"ran and exited with code {ended.exit_code}: {last}"
+            else:
+                outcome = "never ran"
+            report.append(f"{role}: {shlex.join(argv)}\n    {outcome}")
+    print("\n".join(report))
+    assert all(line.endswith("ran and became ready") for line in report), "\n" + "\n".join(report)

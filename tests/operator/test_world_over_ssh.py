@@ -1,0 +1,111 @@
+"""The pods the operator renders, run by the test kubelet: worker pods run the image's real
+`sshd -De` with the operator's SSH key pair, and mpirun in a launcher-like pod (the rendered
+launcher pod with mpirun as its command) starts the ranks in the worker pods over SSH, by the
+DNS names of the hostfile the operator wrote, as the image's non-root user."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from berth.operator import credentials, naming, render
+from berth.operator.crd_model import parse_spec
+from tests.support.cluster import Cluster, ClusterSim, wait_for
+from tests.support.kubelet import Kubelet
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+LLMDS = "/apis/berth.dev/v1alpha1/namespaces/default/llmdeployments"
+PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Pod": "pods"}
+
+
+def path_of(obj: dict[str, Any]) -> str:
+    if obj["apiVersion"] == "apps/v1":
+        return f"/apis/apps/v1/namespaces/default/{obj['kind'].lower()}s"
+    return f"/api/v1/namespaces/default/{PLURALS[obj['kind']]}"
+
+
+def phase(cluster: Cluster, name: str) -> str | None:
+    return ((cluster.get("v1/pods", name) or {}).get("status") or {}).get("phase")
+
+
+def ready(cluster: Cluster, name: str) -> bool:
+    conditions = ((cluster.get("v1/pods", name) or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+async def test_mpirun_starts_the_ranks_in_the_worker_pods_over_ssh(
+    cluster: Cluster, controllers: ClusterSim, kubelet: Kubelet
+) -> None:
+    # An LLMDeployment to own the children (no operator runs here: the renderer's output is
+    # applied as it is, so the garbage collector keeps it).
+    raw_spec = {
+        "model": {"path": "/models/none"},
+        "image": "berth:test",
+        "tensorParallelSize": 2,
+        "gpusPerNode": 0,
+    }
+    parent = await cluster.api(
+        "POST",
+        LLMDS,
+        {
+            "apiVersion": "berth.dev/v1alpha1",
+            "kind": "LLMDeployment",
+            "metadata": {"name": "mpi"},
+            "spec": raw_spec,
+        },
+    )
+    owner = render.Owner(name="mpi", namespace="default", uid=parent["metadata"]["uid"])
+    spec = parse_spec(raw_spec, "mpi")
+    secrets = [
+        render.ssh_secret(owner, credentials.new_ssh_key_pair("mpi")),
+        render.engine_key_secret(owner, credentials.new_engine_key()),
+        render.admin_token_secret(owner, credentials.new_admin_token()),
+    ]
+    launcher_host = naming.launcher_host("mpi", "default", 0)
+    ssh = str(SUPPORT / "mpi_ssh.sh")
+    mpirun = [
+        "mpirun", "-launcher", "ssh", "-launcher-exec", ssh,
+        # The workers' proxies call back to the launcher by its DNS name, not the machine's.
+        "-localhost", launcher_host,
+        "-f", naming.HOSTFILE_PATH, "-n", "2", "-genv", "BERTH_PROBE", "forwarded",
+        sys.executable, str(SUPPORT / "mpi_probe.py"),
+    ]  # fmt: skip
+    # The launcher starts with its workers: it waits until each one's sshd lets it in (pods of
+    # one world start in any order), then runs mpirun. `berth launch` has to do the same.
+    wait_for_workers = (
+        f"for host in $(cut -d: -f1 {naming.HOSTFILE_PATH}); do "
+        f"until {ssh} -o ConnectTimeout=2 $host true; do sleep 0.2; done; done"
+    )
+    command = ["sh", "-c", f'{wait_for_workers} && exec "$@"', "launcher", *mpirun]
+    for child in [*secrets, *render.world_children(owner, spec, 0)]:
+        if child["kind"] == "Pod":
+            # The rendered launcher pod (user, volumes, hostname, env), running mpirun instead of
+            # `berth launch` and without the engine's HTTP probes.
+            (container,) = child["spec"]["containers"]
+            container["command"] = command
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                del container[probe]
+        await cluster.api("POST", path_of(child), child)
+
+    await wait_for(lambda: phase(cluster, "mpi-w0-launcher") in ("Succeeded", "Failed"), 90, "mpirun to end")
+    launcher_log = next(e for e in kubelet.executions if e.pod == "mpi-w0-launcher").log_tail(200)
+    assert phase(cluster, "mpi-w0-launcher") == "Succeeded", launcher_log
+    lines = sorted(line for line in launcher_log.splitlines() if line.startswith("rank "))
+    assert lines == [
+        "rank 0 of 2 on mpi-w0-0 uid=1000 probe=forwarded sum=1",
+        "rank 1 of 2 on mpi-w0-1 uid=1000 probe=forwarded sum=1",
+    ], launcher_log
+
+    # The workers: the rendered command, sshd as root with the operator's key, Ready by its
+    # tcpSocket probe on the ssh port, the hostfile's names resolving to their pod IPs.
+    for worker in ("mpi-w0-0", "mpi-w0-1"):
+        await wait_for(lambda: ready(cluster, worker), 30, f"{worker} Ready")  # noqa: B023
+        (sshd,) = [e for e in kubelet.executions if e.pod == worker]
+        assert sshd.argv == list(render.WORKER_COMMAND) and sshd.exit_code is None
+        address = (cluster.get("v1/pods", worker) or {})["status"]["podIP"]
+        assert kubelet.resolve("default", naming.worker_host("mpi", "default", 0, int(worker[-1]))) == address
+    assert (
+        kubelet.resolve("default", launcher_host)
+        == cluster.get("v1/pods", "mpi-w0-launcher")["status"]["podIP"]
+    )

@@ -1,0 +1,376 @@
+"""Attached frontends: several `berth serve --attach tcp://OWNER:PORT` processes serve the one
+engine that `berth serve MODEL --attach-port PORT` owns. Each gets its own results, only the
+owner owns the engine's life (a frontend that closes or is killed loses its own requests and
+nothing else), and frontends outlive the engine's worlds. Real processes, real kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import re
+import secrets
+import shutil
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from berth.engine import LLM, SamplingParams
+from berth.engine.executor import EngineDeadError, ipc
+from berth.engine.executor.attach import AttachEndpoint
+from berth.engine.executor.messages import ATTACH_PROTOCOL, AttachHello
+from berth.operator import render
+from tests.serve.server_process import ADMIN_TOKEN, ENGINE_ARGS, ENGINE_OPTIONS, MODEL_NAME, ServerProcess
+from tests.support.engine_processes import call_with_timeout, wait_until
+from tests.support.forgery import LeavesATrace
+
+KEY = secrets.token_hex(32)
+ENV = {"BERTH_ENGINE_KEY": KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN}
+LONG = 900  # tokens: requests that are still running when a frontend goes
+WORDS = ("rivers", "stars", "bread", "engines", "maps", "owls", "glass", "rain")
+
+
+def start_owner(model: Path, *args: str) -> ServerProcess:
+    return ServerProcess(
+        model, *ENGINE_ARGS, "--served-model-name", MODEL_NAME, *args, env=ENV, admin_token=ADMIN_TOKEN
+    )
+
+
+def frontend_args(address: str) -> list[str]:
+    """The command the operator renders for a frontend pod, pointed at `address` and a free port
+    of 127.0.0.1 instead of the launcher's Service and port 8000 of a pod of its own."""
+    rendered = render.frontend_command(render.Owner("llama", "default", "uid"), 0)
+    assert rendered[:3] == ["berth", "serve", "--attach"]
+    moved = {rendered[3]: address, "0.0.0.0": "127.0.0.1", "8000": "0"}
+    return [moved.get(arg, arg) for arg in rendered[2:]]
+
+
+def start_frontends(address: str, count: int) -> list[ServerProcess]:
+    def start(_) -> ServerProcess:
+        return ServerProcess(None, *frontend_args(address), env=ENV, admin_token=ADMIN_TOKEN)
+
+    with ThreadPoolExecutor(count) as pool:  # they start in parallel: each takes seconds
+        return list(pool.map(start, range(count)))
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model: Path):
+    """An owner and two frontends attached to it (the last test to use them kills one)."""
+    owner = start_owner(tiny_model, "--attach-port", "0")
+    frontends: list[ServerProcess] = []
+    try:
+        frontends = start_frontends(owner.attach_address, 2)
+        yield owner, frontends
+    finally:
+        for server in (*frontends, owner):
+            server.stop()
+
+
+def completion(body_extra: dict | None = None, **fields) -> dict:
+    return {"model": MODEL_NAME, "temperature": 0, **fields, **(body_extra or {})}
+
+
+async def stream(client: httpx.AsyncClient, server: ServerProcess, body: dict) -> dict:
+    """One streamed completion, read to its end: its text, finish reason and token count."""
+    text, finish, tokens = "", None, None
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"text": text, "finish_reason": finish, "tokens": tokens}
+
+
+def streams(jobs: list[tuple[ServerProcess, dict]]) -> list:
+    async def main() -> list:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(stream(client, server, body) for server, body in jobs), return_exceptions=True
+            )
+
+    return asyncio.run(main())
+
+
+def in_background(jobs: list[tuple[ServerProcess, dict]]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: thread.outcome.extend(streams(jobs)), daemon=True)
+    thread.outcome = []
+    thread.start()
+    return thread
+
+
+def successes(server: ServerProcess) -> float:
+    """Sequences this server has finished (its own /metrics)."""
+    metrics = server.get("/metrics").text
+    return sum(float(v) for v in re.findall(r"^berth:request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
+
+
+def running(owner: ServerProcess) -> int:
+    return owner.admin_state()["num_running"]
+
+
+# ---- one engine, two frontends --------------------------------------------------------------------
+
+
+def test_two_frontends_serve_64_concurrent_streams_each_getting_its_own(world):
+    owner, (a, b) = world
+    bodies = [
+        completion(
+            prompt=f"Request {i} is about {WORDS[i % len(WORDS)]}", max_tokens=8 + i % 7, ignore_eos=True
+        )
+        for i in range(64)
+    ]
+    before = [successes(a), successes(b)]
+    via_frontends = streams([((a, b)[i % 2], body) for i, body in enumerate(bodies)])
+    via_owner = streams([(owner, body) for body in bodies])
+    for body, got, expected in zip(bodies, via_frontends, via_owner):
+        assert not isinstance(got, BaseException), got
+        assert got == expected  # the text of its own prompt: nothing crossed between frontends
+        assert got["finish_reason"] == "length" and got["tokens"] == body["max_tokens"]
+    assert [successes(a) - before[0], successes(b) - before[1]] == [32, 32]  # each counted its own
+    assert owner.wait_idle()
+    for frontend in (a, b):
+        assert frontend.wait_idle()  # nothing pending, nothing running in the shared engine
+
+
+def test_a_frontend_serves_the_whole_api_for_the_owners_engine(world):
+    owner, (a, _) = world
+    models = a.get("/v1/models").json()
+    assert [card["id"] for card in models["data"]] == [MODEL_NAME]  # the owner's name
+    chat = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Name a river."}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    answers = [server.post("/v1/chat/completions", chat) for server in (owner, a)]
+    assert all(answer.status_code == 200 for answer in answers), [answer.text for answer in answers]
+    mine, owners = (answer.json()["choices"] for answer in reversed(answers))
+    assert mine == owners  # text, logprobs and finish reason: the owner's own
+    assert a.get("/live").status_code == 200
+    assert a.get("/health").json() == {"status": "ok"}
+    metrics = a.get("/metrics").text
+    assert f'berth:num_requests_running{{model_name="{MODEL_NAME}"}}' in metrics
+    assert f'berth:engine_admission_state{{model_name="{MODEL_NAME}",state="running"}} 1.0' in metrics
+    state = a.admin_state()
+    assert state["engine_pid"] == owner.engine_pid and state["admission"] == "running"
+
+
+def test_an_unsigned_or_wrongly_signed_attach_is_refused_before_unpickling(world, tmp_path):
+    owner, frontends = world
+    trace = tmp_path / "unpickled"
+    payload = pickle.dumps(LeavesATrace(trace))
+    context = zmq.Context()
+    intruder = ipc.open_socket(
+        context, zmq.DEALER, owner.attach_address, b"\x01" * 32, ipc.ATTACH, bind=False
+    )
+    try:
+        intruder.send(AttachHello(ATTACH_PROTOCOL, os.getpid(), "intruder"))  # signed, with another key
+        intruder.socket.send_multipart([bytes(32), payload])  # a made-up signature
+        intruder.socket.send_multipart([payload])  # none at all
+        assert intruder.socket.poll(2000) == 0  # no answer of any kind
+        assert wait_until(lambda: owner.output.count("on the attach queue") >= 3, 10), owner.output
+    finally:
+        intruder.close()
+        context.term()
+    assert (
+        "dropped a message from 127.0.0.1 on the attach queue: bad signature (not unpickled)" in owner.output
+    )
+    assert not trace.exists()
+    # The engine never noticed: the owner and the frontends serve on.
+    for server in (owner, *frontends):
+        response = server.post("/v1/completions", completion(prompt="still here", max_tokens=3))
+        assert response.status_code == 200, response.text
+        assert server.get("/health").status_code == 200
+
+
+def test_a_frontend_that_closes_aborts_its_own_requests_only(world):
+    owner, (a, _) = world
+    llm = LLM.attach(owner.attach_address, key=bytes.fromhex(KEY))  # a frontend in this process
+    long = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    theirs = in_background([(a, completion(prompt="the other frontend's", max_tokens=LONG, ignore_eos=True))])
+    try:
+        assert llm.wait_attached(30)
+        mine = [llm.generate_async(f"mine {i}", long, streaming=True) for i in range(3)]
+        assert wait_until(lambda: running(owner) == 4, 30)
+    finally:
+        call_with_timeout(llm.shutdown, 15)
+    for result in mine:
+        with pytest.raises(EngineDeadError, match="shut down"):
+            result.result(timeout=5)
+    assert wait_until(lambda: running(owner) == 1, 10)  # its three aborted; the other runs on
+    theirs.join(120)
+    [other] = theirs.outcome
+    assert not isinstance(other, BaseException), other
+    assert other["finish_reason"] == "length" and other["tokens"] == LONG
+    assert re.search(r"frontend \d+ \(.*\) is gone \(it detached\): aborted its 3 requests", owner.output)
+
+
+# ---- the owner sleeps, its frontends follow ----------------------------------------------------
+
+
+def admin(server: ServerProcess, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=server.headers(ADMIN_TOKEN), timeout=300)
+
+
+def refusal(server: ServerProcess) -> tuple:
+    response = server.post("/v1/completions", completion(prompt="asleep?", max_tokens=2))
+    return response.status_code, response.headers.get("Retry-After"), response.json()
+
+
+def test_frontends_follow_the_owners_sleep_and_wakeup_and_cannot_drive_them(world):
+    owner, frontends = world
+    a = frontends[0]
+    # A drain lets a frontend's stream in flight finish, as it does the owner's own.
+    in_flight = in_background([(a, completion(prompt="drained", max_tokens=200, ignore_eos=True))])
+    assert wait_until(lambda: running(owner) == 1, 30)
+    slept = admin(owner, "/admin/sleep", {"level": 1, "mode": "drain"})
+    assert slept.status_code == 200 and slept.json()["admission"] == "parked", slept.text
+    in_flight.join(60)
+    [drained] = in_flight.outcome
+    assert not isinstance(drained, BaseException), drained
+    assert drained["finish_reason"] == "length" and drained["tokens"] == 200
+    owners = refusal(owner)
+    assert owners[0] == 503 and int(owners[1]) > 0 and owners[2]["error"]["code"] == "admission_closed"
+    for frontend in frontends:
+        assert refusal(frontend) == owners  # the engine's own refusal, word for word
+        assert wait_until(lambda f=frontend: f.get("/ready").json()["admission"] == "parked", 10)
+        ready = frontend.get("/ready")
+        assert ready.status_code == 503 and not ready.json()["ready"], ready.text
+        assert frontend.get("/health").json() == {"status": "ok"}  # asleep is not dead
+        state = frontend.admin_state()
+        assert state["admission"] == "parked" and state["sleep_level"] == 1, state
+        assert state["model_revision"] == owner.admin_state()["model_revision"]
+    # Sleep and wakeup are the owner's: a frontend refuses them, and the engine is untouched.
+    for path in ("/admin/wakeup", "/admin/sleep"):
+        refused = admin(a, path)
+        assert refused.status_code == 403, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "not_engine_owner" and owner.attach_address in error["message"], error
+    assert owner.admin_state()["admission"] == "parked"
+    woken = admin(owner, "/admin/wakeup")
+    assert woken.status_code == 200 and woken.json()["admission"] == "running", woken.text
+    for frontend in frontends:
+        assert wait_until(lambda f=frontend: serving(f), 10, interval=0.2), frontend.output
+    assert admin(a, "/admin/sleep").status_code == 403  # awake or asleep: never a frontend's
+    assert owner.admin_state()["admission"] == "running"
+
+
+def test_kill_9_of_a_frontend_aborts_exactly_its_requests(world):
+    owner, (a, b) = world
+    body = completion(prompt="a long one", max_tokens=LONG, ignore_eos=True)
+    of_a = in_background([(a, body)] * 4)
+    of_b = in_background([(b, body)] * 4)
+    assert wait_until(lambda: running(owner) == 8, 30)
+    a.process.kill()  # kill -9: no goodbye, the connection just closes
+    a.process.wait(10)
+    seen: list[int] = []
+    assert wait_until(lambda: seen.append(running(owner)) or seen[-1] == 4, 10), seen
+    assert of_b.is_alive()  # b's streams were still running when a's four were aborted
+    of_b.join(120)
+    assert len(of_b.outcome) == 4
+    for result in of_b.outcome:
+        assert not isinstance(result, BaseException), result
+        assert result["finish_reason"] == "length" and result["tokens"] == LONG
+    assert all(isinstance(result, BaseException) for result in of_a.outcome)
+    assert re.search(
+        r"frontend \d+ \(.*\) is gone \(its connection closed\): aborted its 4 requests", owner.output
+    )
+    assert owner.get("/health").status_code == 200 and owner.wait_idle()
+
+
+# ---- frontends outlive worlds ----------------------------------------------------------------------
+
+
+def unavailable(server: ServerProcess) -> bool:
+    response = server.post("/v1/completions", completion(prompt="anyone?", max_tokens=2))
+    return response.status_code == 503 and response.headers.get("Retry-After") is not None
+
+
+def serving(server: ServerProcess) -> bool:
+    response = server.post("/v1/completions", completion(prompt="anyone?", max_tokens=2))
+    return response.status_code == 200 and server.get("/ready").status_code == 200
+
+
+def test_frontends_outlive_their_world_and_attach_to_the_next(tiny_model):
+    owner = start_owner(tiny_model, "--attach-port", "0")
+    servers = [owner]
+    try:
+        frontends = start_frontends(owner.attach_address, 2)
+        servers += frontends
+        pids = [frontend.pid for frontend in frontends]
+        port = owner.attach_address.rsplit(":", 1)[1]
+        os.kill(owner.engine_pid, signal.SIGKILL)
+        for frontend in frontends:
+            assert wait_until(lambda f=frontend: unavailable(f), 10, interval=0.2)
+            assert frontend.get("/ready").status_code == 503
+            health = frontend.get("/health")
+            assert health.status_code == 503 and "killed by signal 9" in health.json()["error"], health.text
+        # The operator restarts the world whole: a new owner at the same address.
+        owner.stop()
+        owner = start_owner(tiny_model, "--attach-port", port)
+        servers.append(owner)
+        for frontend in frontends:
+            assert wait_until(lambda f=frontend: serving(f), 30, interval=0.2), frontend.output
+            assert frontend.admin_state()["engine_pid"] == owner.engine_pid  # the new engine's
+        assert [frontend.pid for frontend in frontends] == pids
+        assert all(frontend.process.poll() is None for frontend in frontends)  # never restarted
+        # An owner that stops cleanly answers the frontends' requests first (aborted), then
+        # tells them: they are unavailable again, and wait for the next world.
+        stream_running = in_background(
+            [(frontends[0], completion(prompt="late", max_tokens=LONG, ignore_eos=True))]
+        )
+        assert wait_until(lambda: running(owner) == 1, 30)
+        owner.terminate()
+        stream_running.join(60)
+        [aborted] = stream_running.outcome
+        assert not isinstance(aborted, BaseException), aborted
+        assert aborted["finish_reason"] == "abort" and aborted["tokens"] < LONG
+        assert owner.wait(30) == 0
+        assert all(wait_until(lambda f=frontend: unavailable(f), 10, interval=0.2) for frontend in frontends)
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+def test_a_weight_swap_to_another_tokenizer_sends_the_frontends_to_attach_again(tiny_model, tmp_path):
+    """A frontend tokenizes and detokenizes itself: after a wakeup with a revision whose
+    tokenizer differs, it must not go on with the old one. The owner ends its attachment and it
+    attaches again, to the new tokenizer."""
+    retemplated = shutil.copytree(tiny_model, tmp_path / "retemplated")
+    with open(retemplated / "chat_template.jinja", "a") as template:
+        template.write("{# another revision #}")
+    with LLM(tiny_model, **ENGINE_OPTIONS) as owner:
+        endpoint = AttachEndpoint("tcp://127.0.0.1:0", bytes.fromhex(KEY))
+        endpoint.start(owner.executor, MODEL_NAME)
+        frontend = LLM.attach(endpoint.address, key=bytes.fromhex(KEY))
+        try:
+            assert frontend.wait_attached(30)
+            first = frontend.executor.frontend_id
+            assert "another revision" not in frontend.tokenizer.chat_template
+            call_with_timeout(lambda: owner.sleep(2), 120)
+            call_with_timeout(lambda: owner.wake_up(retemplated), 120)
+            assert wait_until(lambda: frontend.executor.frontend_id not in (None, first), 30)
+            assert "another revision" in frontend.tokenizer.chat_template
+            params = SamplingParams(temperature=0, max_tokens=4)
+            assert frontend.generate("again", params)[0].outputs[0].text == (
+                owner.generate("again", params)[0].outputs[0].text
+            )
+        finally:
+            call_with_timeout(frontend.shutdown, 15)
+            endpoint.close()
