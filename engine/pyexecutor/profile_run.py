@@ -11,6 +11,9 @@ is written before the measurement starts, so it is not counted.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 
 from berth.engine.pyexecutor.kv_cache import KVCacheManager
@@ -87,12 +90,26 @@ def _reset_peak_resident() -> int:
     """Resets this process's peak RSS to its current RSS (Linux's clear_refs "5") and returns
     the RSS now. Where the peak cannot be reset it stays the whole life's: an overestimate,
     which sizes the pool smaller, never too large."""
+    _return_free_heap_to_the_os()
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
     except OSError:
         pass
     return _status_bytes("VmRSS")
+
+
+def _return_free_heap_to_the_os() -> None:
+    """glibc keeps freed heap pages resident for reuse; a step that reuses them does not raise
+    the peak RSS, and the profile would read near zero in a process that has run steps (or
+    anything else) before. `malloc_trim(0)` hands those pages back first, so the step's
+    activations fault in pages of their own and are counted."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)
+    if malloc_trim is not None:  # glibc only; musl and others have no such call
+        malloc_trim(0)
 
 
 def _status_bytes(key: str) -> int:
