@@ -17,8 +17,8 @@ async def test_a_transition_that_ended_keeps_its_world_busy_until_its_outcome_is
 
     done = TransitionOutcome("sleep", True, "done", "sleep done", 0.5)
     answer.set_result(done)
-    await asyncio.sleep(0)  # the call has ended: a round that began before still sees it busy
-    await asyncio.sleep(0)
+    _, _, call = transitions.tasks[2]
+    await asyncio.wait_for(call, 5)  # the call has ended: a round that began before still sees it busy
     assert transitions.busy(2)
     assert transitions.finished() == [(2, "retire", done)]
     assert not transitions.busy(2) and transitions.finished() == []
