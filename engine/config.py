@@ -61,6 +61,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Stall detection: while the engine has work, a step must complete within `stall_timeout`
+    # seconds, the first one after load or wakeup within `first_step_timeout` (default: five
+    # times as long; it may compile kernels). Past it the engine is dead ("stalled").
+    stall_timeout: float = 60.0
+    first_step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "tensor_parallel_size"):
@@ -88,10 +93,26 @@ class EngineConfig:
                 f"device {self.device!r} with tensor_parallel_size {self.tensor_parallel_size}: every rank "
                 "uses the GPU of its local rank; say device='cuda'"
             )
+        for name in ("stall_timeout", "first_step_timeout"):
+            value = getattr(self, name)
+            if value is None and name == "first_step_timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
+
+    @property
+    def first_step_bound(self) -> float:
+        return self.first_step_timeout if self.first_step_timeout is not None else 5 * self.stall_timeout
+
+    @property
+    def collective_timeout(self) -> float:
+        """How long a collective inside a step waits for the other ranks: well under the stall
+        timeout, so that the rank that stopped answering is the one that is named."""
+        return self.stall_timeout / 2
 
     def max_model_len_for(self, max_position_embeddings: int) -> int:
         """The longest sequence the engine serves: the configured limit, never past the model's

@@ -63,6 +63,12 @@ class RequestError(RuntimeError):
         return (type(self), (str(self), self.code, self.param))
 
 
+class EngineStalledError(RuntimeError):
+    """The engine had work and made no progress in time: a step, or a collective inside one, did
+    not complete (a stopped or wedged rank, a hung device). The engine is dead for good: one that
+    resumes later is not trusted again (its world is restarted)."""
+
+
 # ---- into the engine ---------------------------------------------------------------------------
 
 

@@ -41,6 +41,7 @@ class Probe:
     ready: bool = False
     admission: str | None = None
     error: str | None = None
+    death: str | None = None  # a dead engine's reason: "stalled" (alive, no progress) or "died"
     seconds: float = 0.0
     # From /admin/state (None without the admin token, or when it did not answer).
     model_revision: str | None = None  # "PATH@DIGEST"
@@ -87,7 +88,8 @@ async def probe(
         if health.status_code != 200:
             if body.get("engine_dead"):
                 error = str(body.get("error") or "engine reported dead without an error text")
-                return Probe("dead", error=error, seconds=time.perf_counter() - started)
+                death = str(body.get("reason") or "died")
+                return Probe("dead", error=error, death=death, seconds=time.perf_counter() - started)
             return Probe(
                 "unreachable",
                 error=f"/health answered HTTP {health.status_code}",

@@ -43,7 +43,8 @@ PERSISTENT = (
 
 @dataclass(frozen=True)
 class Failure:
-    # EngineDead, LauncherFailed, LauncherExited, LauncherGone, WorkerFailed, WorkerRestarted, Unreachable
+    # EngineDead, Stalled, LauncherFailed, LauncherExited, LauncherGone, WorkerFailed,
+    # WorkerRestarted, Unreachable
     reason: str
     error: str
 
@@ -181,7 +182,9 @@ def step(
     failure = pods.failure
     if failure is None and probe is not None and pods.running:
         if probe.status == "dead":
-            failure = Failure("EngineDead", probe.error or "engine reported dead")
+            # A stalled engine is alive and stuck (a stopped rank, a hung collective or device).
+            reason = "Stalled" if probe.death == "stalled" else "EngineDead"
+            failure = Failure(reason, probe.error or "engine reported dead")
         elif probe.status == "unreachable":
             if previous_phase in UP_PHASES:
                 status["probeFailures"] = int(status["probeFailures"]) + 1

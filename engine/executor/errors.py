@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import signal
 
-from berth.engine.engine_io import RequestError
+from berth.engine.engine_io import EngineStalledError, RequestError
 
 __all__ = [
     "EngineDeadError",
+    "EngineStalledError",
     "EngineUnreachableError",
     "RemoteTraceback",
     "RequestError",

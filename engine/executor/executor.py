@@ -20,6 +20,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.messages import frontend_of, namespaced_request_id
 from berth.engine.executor.postprocess import SequenceUpdate
 from berth.engine.executor.result import GenerationResult
+from berth.engine.executor.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ class GenerationExecutor(ABC):
         self.config = None  # EngineConfig
         self.limits: EngineLimits | None = None
         self._stats: EngineStats | None = None  # the engine's latest, updated with every step
+        # For the stall watchdog: when the engine last showed progress (a step, or no work left;
+        # time.monotonic()), and the step count at its last load or wakeup.
+        self.progress_at = time.monotonic()
+        self._steps_at_start = 0
 
     # ---- what subclasses provide --------------------------------------------------------------
 
@@ -100,6 +106,13 @@ class GenerationExecutor(ABC):
     @abstractmethod
     def _engine_admission_state(self) -> str:
         """The live engine's admission state: "running", "parking", "parked" or "waking"."""
+
+    def _watch_for_stalls(
+        self, detail: Callable[[], str] = lambda: "", on_stall: Callable[[], None] = lambda: None
+    ) -> None:
+        """Starts the stall watchdog (see `stall_watchdog`), once the engine runs: only the
+        engine's owner watches it (an attached frontend hears of a stall from the owner)."""
+        StallWatchdog(self, self.config.stall_timeout, self.config.first_step_bound, detail, on_stall).start()
 
     def _check_workers(self) -> None:  # noqa: B027 (optional: only shapes with workers poll them)
         """Notices a dead worker without blocking (the polling backstop); may call `_set_fatal`."""
@@ -214,6 +227,8 @@ class GenerationExecutor(ABC):
     def _finish_transition(self, result: TransitionResult) -> None:
         if result.stats is not None:
             self._take_stats(result.stats)
+            if result.kind == "wakeup" and result.error is None:
+                self._steps_at_start = result.stats.num_steps  # its first step may compile again
         with self._results_lock:
             pending = self._transitions.get(result.transition_id)
         if pending is not None:
@@ -230,6 +245,16 @@ class GenerationExecutor(ABC):
     @property
     def num_pending(self) -> int:
         return len(self._results)
+
+    def has_work(self) -> bool:
+        """Requests of this process pending, or (the latest stats say) any in the engine."""
+        stats = self._stats
+        return bool(self._results) or (stats is not None and stats.num_running + stats.num_waiting > 0)
+
+    @property
+    def awaiting_first_step(self) -> bool:
+        """No step done since the engine loaded or last woke up."""
+        return self._stats is None or self._stats.num_steps <= self._steps_at_start
 
     def _raise_if_closed(self) -> None:
         if self._fatal_error is not None:
@@ -288,8 +313,12 @@ class GenerationExecutor(ABC):
     def _take_stats(self, stats: EngineStats) -> None:
         # Postprocess workers' lanes and heartbeats carry stats too, each in its own order: the
         # latest snapshot wins, whichever way it came.
-        if self._stats is None or stats.timestamp >= self._stats.timestamp:
+        latest = self._stats
+        if latest is None or stats.timestamp >= latest.timestamp:
             self._stats = stats
+            stepped = latest is None or stats.num_steps != latest.num_steps
+            if stepped or stats.num_running + stats.num_waiting == 0:
+                self.progress_at = time.monotonic()
 
     def _set_fatal(self, error: BaseException) -> None:
         """Records the first fatal error and fails everything pending with EngineDeadError."""

@@ -40,6 +40,9 @@ class InProcessExecutor(GenerationExecutor):
             on_fatal=self._set_fatal,
             on_transition=self._batches.put,
         )
+        # A blocked step cannot be interrupted on its thread: the engine is declared dead, and
+        # stops if it ever resumes.
+        self._watch_for_stalls(on_stall=self.engine.request_queue.enqueue_shutdown)
 
     def _dispatch_loop(self) -> None:
         try:

@@ -63,7 +63,7 @@ class MpiRank:
             host = "127.0.0.1" if self.local_size == self.size else socket.getfqdn()
             store, address = open_rendezvous(host, self.size)
         address = self.share(address)
-        return config, join_world(self.rank, self.size, address, config.device, store)
+        return config, join_world(self.rank, self.size, address, config, store)
 
     def abort(self, code: int = 1) -> NoReturn:
         """Ends every rank of the world (mpiexec kills them) and this process."""

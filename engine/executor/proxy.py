@@ -47,7 +47,13 @@ import zmq
 from berth.engine.config import EngineConfig
 from berth.engine.engine_io import AbortRequest, Control, GenerationRequest, Shutdown, TransitionResult
 from berth.engine.executor import ipc
-from berth.engine.executor.errors import EngineDeadError, RemoteTraceback, WorkerDiedError, how_it_exited
+from berth.engine.executor.errors import (
+    EngineDeadError,
+    EngineStalledError,
+    RemoteTraceback,
+    WorkerDiedError,
+    how_it_exited,
+)
 from berth.engine.executor.executor import GenerationExecutor
 from berth.engine.executor.messages import (
     Ack,
@@ -155,6 +161,8 @@ class ProxyExecutor(GenerationExecutor):
         except BaseException as error:
             self._fail_initialization(error)
         self._dispatcher.start()
+        # A stalled world cannot be trusted again and holds the model: it is killed.
+        self._watch_for_stalls(detail=self._stuck_ranks, on_stall=self._abandon_world)
         atexit.register(self.shutdown)  # a dead or forgotten engine never hangs the interpreter's exit
 
     # ---- start -------------------------------------------------------------------------------
@@ -300,6 +308,16 @@ class ProxyExecutor(GenerationExecutor):
                 self._set_fatal(WorkerDiedError(f"{which} is gone"))
                 return
 
+    def _stuck_ranks(self) -> str:
+        """Which ranks on this machine are not running (stopped, in uninterruptible sleep, gone),
+        from their process state, for a stall's message."""
+        stuck = [
+            f"rank {rank} (pid {pid}) {how}"
+            for rank, pid in self._local_ranks()
+            if (how := _process_state(pid)) is not None
+        ]
+        return "; ".join(stuck)
+
     def _local_ranks(self) -> list[tuple[int, int]]:
         """(rank, pid) of every rank on this machine, as rank 0 named them."""
         here = socket.gethostname()
@@ -392,7 +410,10 @@ class ProxyExecutor(GenerationExecutor):
         more = True
         for message in messages:
             if isinstance(message, WorkerFatal):
-                self._set_fatal(self._root_cause(_with_remote_traceback(message.error, message.traceback)))
+                error = message.error
+                if isinstance(error, EngineStalledError) and (stuck := self._stuck_ranks()):
+                    error = EngineStalledError(f"{error}; {stuck}")  # read now: the world ends soon
+                self._set_fatal(self._root_cause(_with_remote_traceback(error, message.traceback)))
                 more = False
             elif isinstance(message, WorkerClosed):
                 self._lanes_open -= 1
@@ -515,6 +536,26 @@ def _is_ip(host: str) -> bool:
 def _with_remote_traceback(error: BaseException, traceback: str) -> BaseException:
     error.__cause__ = RemoteTraceback(traceback)
     return error
+
+
+# /proc/PID/stat's states that stop a rank from answering (R, S and I do not).
+_STUCK_STATES = {
+    "T": "is stopped (SIGSTOP)",
+    "t": "is stopped by a debugger",
+    "D": "is in uninterruptible sleep (a hung device or file system)",
+    "Z": "has exited",
+    "X": "has exited",
+}
+
+
+def _process_state(pid: int) -> str | None:
+    """What keeps process `pid` from running, in words; None while it can run."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "is gone"
+    return _STUCK_STATES.get(state)
 
 
 def _pid_alive(pid: int) -> bool:

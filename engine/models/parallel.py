@@ -30,8 +30,11 @@ import torch
 # The step broadcast's group waits for the leader's next step while the engine is idle: an idle
 # engine must not time out. A dead peer is noticed by MPI (which ends the world), not by this.
 IDLE_FOREVER = datetime.timedelta(days=365)
-# Collectives inside a forward wait only for the slowest rank's share of that forward.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# The ranks find each other while each loads its shard: that may take minutes.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+# Collectives inside a forward wait only for the slowest rank's share of that forward; the
+# engine passes its own bound (`EngineConfig.collective_timeout`), this is the default.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,9 @@ class TensorParallelGroup:
     device_group: object = None
     control_group: object = None
     counters: CollectiveCounters = field(default_factory=CollectiveCounters, compare=False)
+    # How long rank 0's sends on the control group wait for the others (None: forever). Between
+    # steps every other rank waits to receive, so a send that waits long means a stuck rank.
+    leader_timeout: datetime.timedelta | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -140,7 +146,12 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         with self._timed(tensor):
-            dist.broadcast(tensor, src=0, group=self.control_group)
+            if self.is_leader and self.leader_timeout is not None:
+                # gloo's send waits for the receiver: bounded, as the forward's collectives are.
+                work = dist.broadcast(tensor, src=0, group=self.control_group, async_op=True)
+                work.wait(self.leader_timeout)
+            else:
+                dist.broadcast(tensor, src=0, group=self.control_group)
 
     def broadcast_object_from_leader(self, value: object = None) -> object:
         """Rank 0's `value` on every rank (pickled: for the rare control messages only)."""
@@ -207,7 +218,7 @@ def open_rendezvous(host: str, size: int) -> tuple[object, tuple[str, int]]:
     ranks must be told (their launcher tells them: MPI, in berth)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+    store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=RENDEZVOUS_TIMEOUT)
     return store, (host, store.port)
 
 
@@ -217,16 +228,19 @@ def join_group(
     address: tuple[str, int],
     device: torch.device,
     store: object | None = None,
+    timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
 ) -> TensorParallelGroup:
-    """Joins the world's process groups (rank 0 passes the store it opened)."""
+    """Joins the world's process groups (rank 0 passes the store it opened). A collective of a
+    forward that waits past `timeout` raises (gloo; NCCL's watchdog aborts the process): a rank
+    that stopped answering fails the world instead of hanging it."""
     import torch.distributed as dist
 
     if store is None:
-        store = dist.TCPStore(address[0], address[1], size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store = dist.TCPStore(address[0], address[1], size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=IDLE_FOREVER)
-    return TensorParallelGroup(rank, size, dist.group.WORLD, control)
+    return TensorParallelGroup(rank, size, dist.group.WORLD, control, leader_timeout=timeout)
 
 
 def leave_group(group: TensorParallelGroup) -> None:

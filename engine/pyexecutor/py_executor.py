@@ -26,6 +26,7 @@ from berth.engine.engine_io import (
     AbortRequest,
     EngineLimits,
     EngineMemory,
+    EngineStalledError,
     EngineStats,
     GenerationRequest,
     KVCachePlan,
@@ -58,6 +59,10 @@ from berth.engine.pyexecutor.sleep import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How often the loop reports at least while it has work (the stall watchdog listens for it):
+# at most this, and at least four times within the stall timeout.
+HEARTBEAT_SECONDS = 1.0
 
 ResponseSink = Callable[[list[Response], EngineStats], None]
 TransitionSink = Callable[[TransitionResult], None]
@@ -169,12 +174,18 @@ class PyExecutor:
         on_fatal: Callable[[BaseException], None],
         on_transition: TransitionSink,
     ) -> None:
+        spoke = time.monotonic()
+        heartbeat_seconds = min(HEARTBEAT_SECONDS, self.config.stall_timeout / 4)
         try:
             while not self._shutting_down or self.scheduler.has_work():
                 responses = self.iterate()
-                if responses or self._state_changed:
+                # While it has work the loop speaks at least every heartbeat, even if no step
+                # answered anyone (non-streamed requests): the stall watchdog hears it step.
+                heartbeat = self.scheduler.has_work() and time.monotonic() - spoke >= heartbeat_seconds
+                if responses or self._state_changed or heartbeat:
                     self._state_changed = False
                     on_responses(responses, self.stats())
+                    spoke = time.monotonic()
                 # After the turn's responses: whoever waits for a sleep hears of the requests it
                 # aborted first.
                 while self.finished_transitions:
@@ -184,7 +195,7 @@ class PyExecutor:
             self.model_runner.stop_followers()
         except BaseException as error:
             logger.exception("engine loop failed")
-            on_fatal(error)
+            on_fatal(_stalled_collective(error, self.model_runner.tp.size, self.config) or error)
 
     def iterate(self) -> list[Response]:
         """One turn of the loop: take what is queued (blocking only while idle), then one step,
@@ -568,6 +579,21 @@ def _internal(error: BaseException, where: str) -> RequestError:
     """An unexpected failure that belongs to one request. Its message is the engine's log's:
     clients learn that it failed, not how the engine is built."""
     return RequestError(f"the engine failed on this request ({where}); see the engine's log", "internal")
+
+
+def _stalled_collective(
+    error: BaseException, world_size: int, config: EngineConfig
+) -> EngineStalledError | None:
+    """A collective that timed out (gloo: "Timed out waiting ...", "Operation timed out!") means
+    a rank stopped answering: the world stalled, it did not crash."""
+    if world_size == 1 or not isinstance(error, RuntimeError) or "timed out" not in str(error).lower():
+        return None
+    stalled = EngineStalledError(
+        f"stalled: a collective waited {config.collective_timeout:g} s for another rank of the "
+        f"{world_size} ({error})"
+    )
+    stalled.__cause__ = error
+    return stalled
 
 
 def _rank_errors(failed: list[RankOutcome]) -> str:

@@ -15,6 +15,7 @@ Rank 0 then runs the engine loop (`PyExecutor`); the others `follow` it.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import os
@@ -97,12 +98,15 @@ def rank_config(config: EngineConfig, local_rank: int, local_size: int) -> Engin
 
 
 def join_world(
-    rank: int, size: int, address: tuple[str, int], device: str, store: object | None = None
+    rank: int, size: int, address: tuple[str, int], config: EngineConfig, store: object | None = None
 ) -> TensorParallelGroup:
-    """Joins the world's collectives (rank 0 passes the store `open_rendezvous` gave it)."""
+    """Joins the world's collectives (rank 0 passes the store `open_rendezvous` gave it), with
+    the config's collective timeout."""
+    device = config.device
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    return join_group(rank, size, address, torch.device(device), store)
+    timeout = datetime.timedelta(seconds=config.collective_timeout)
+    return join_group(rank, size, address, torch.device(device), store, timeout)
 
 
 def leave_world(tp: TensorParallelGroup) -> None:

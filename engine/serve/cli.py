@@ -39,6 +39,8 @@ ENGINE_OPTIONS = {
     "seed": "seed",
     "prefix_caching": "enable_prefix_caching",
     "tensor_parallel_size": "tensor_parallel_size",
+    "stall_timeout": "stall_timeout",
+    "first_step_timeout": "first_step_timeout",
 }
 # Options of the process that owns the engine: an attached frontend has none of them.
 OWNER_OPTIONS = (*ENGINE_OPTIONS, "executor", "num_postprocess_workers", "attach_port")
@@ -127,6 +129,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=("auto", "bfloat16", "float16", "float32"),
         help="the KV cache's dtype (default auto: the model's); bfloat16 halves a float32 model's",
+    )
+    engine.add_argument(
+        "--stall-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="while the engine has work, a step must complete within this (default 60); past "
+        "it the engine is dead: /health answers 503 with reason stalled",
+    )
+    engine.add_argument(
+        "--first-step-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="the same bound for the first step after load or wakeup (default: 5x --stall-timeout)",
     )
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from berth.engine.executor.errors import EngineStalledError
 from berth.engine.serve.context import serving
 
 router = APIRouter()
@@ -23,19 +24,32 @@ def admission_of(executor) -> str:
         return "unknown"
 
 
+def death_reason_of(executor) -> str:
+    """Why the engine is dead, in one word: "stalled" (alive but making no progress), "died"."""
+    return "stalled" if isinstance(executor.fatal_error, EngineStalledError) else "died"
+
+
 def fatal_error_of(executor) -> str:
     error = executor.fatal_error
     return f"{type(error).__name__}: {error}" if error is not None else "the engine is dead"
 
 
 @router.get(
-    "/health", responses={503: {"description": 'The engine is dead: {"engine_dead": true, "error": "..."}'}}
+    "/health",
+    responses={
+        503: {
+            "description": 'The engine is dead: {"engine_dead": true, "reason": "stalled" or "died", '
+            '"error": "..."}'
+        }
+    },
 )
 async def health(request: Request) -> JSONResponse:
     llm = serving(request).llm
     if llm.check_health():
         return JSONResponse({"status": "ok"})
-    return JSONResponse({"engine_dead": True, "error": fatal_error_of(llm.executor)}, status_code=503)
+    executor = llm.executor
+    body = {"engine_dead": True, "reason": death_reason_of(executor), "error": fatal_error_of(executor)}
+    return JSONResponse(body, status_code=503)
 
 
 @router.get("/ready", responses={503: {"description": "Not healthy, not admitting, or shutting down"}})

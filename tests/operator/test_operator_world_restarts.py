@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 from prometheus_client import REGISTRY
 
@@ -125,6 +128,42 @@ async def test_kill_9_of_the_engine_restarts_the_whole_world(
         == (dead_probes or 0) + 1
     )
     assert condition(cluster, "Ready")["status"] == "True"
+
+
+async def test_a_stalled_engine_restarts_the_world_with_reason_stalled(
+    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    """SIGSTOP of the engine's worker while it has a request: alive, silent; the launcher's
+    /health says "stalled" within its stall timeout and the world is restarted for it."""
+    before = restarts_metric("Stalled")
+    fleet.engine_args = ("--stall-timeout", "2")
+    async with running_operator(cluster, fleet.resolve):
+        await apply_small_example(cluster, tmp_path)
+        await wait_for(lambda: ready_after(cluster, 0), START_TIMEOUT, "the world Ready")
+        launcher = fleet.for_pod("llama-w0-launcher")
+        pid = await launcher.engine_pid()
+        async with httpx.AsyncClient() as client:
+            # 408 tokens: within the fleet's 32 KV blocks of 16.
+            body = {"model": str(fleet.model), "prompt": [5] * 8, "max_tokens": 400, "ignore_eos": True}
+            async with client.stream(
+                "POST", f"{launcher.url}/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as response:
+                assert response.status_code == 200
+                await anext(response.aiter_lines())  # the engine is stepping
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await wait_for(lambda: ready_after(cluster, 1), START_TIMEOUT, "Ready after one restart")
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+
+    restarted = world(cluster)
+    assert restarted["lastRestartReason"] == "Stalled", restarted
+    assert restarted["lastEngineError"].startswith("EngineStalledError: stalled: no step completed in 2 s")
+    assert f"rank 0 (pid {pid}) is stopped (SIGSTOP)" in restarted["lastEngineError"]
+    expected_event = f"world 0 restarted (Stalled): {restarted['lastEngineError']}"
+    assert warnings(cluster, "WorldRestarted") == [expected_event]
+    assert restarts_metric("Stalled") == before + 1
 
 
 async def test_repeated_deaths_back_off_then_exhaust_the_budget(

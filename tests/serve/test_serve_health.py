@@ -6,6 +6,7 @@ dead engine runs nothing, and SIGTERM still stops it cleanly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -103,4 +104,50 @@ def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
         server.terminate()
         assert server.wait(15) == 0, server.output  # a dead world never hangs the exit
     finally:
+        server.stop()
+
+
+def test_a_stopped_engine_is_reported_stalled_and_stays_dead(tiny_model):
+    """SIGSTOP leaves the worker alive and silent: `/health` turns 503 with reason "stalled"
+    within the stall timeout, the request in flight gets its error, and SIGCONT revives
+    nothing."""
+    stall_timeout = 3
+    server = ServerProcess(tiny_model, *ENGINE_ARGS, "--stall-timeout", str(stall_timeout))
+    engine_pid = server.engine_pid
+    try:
+        events: list[dict] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": [5] * 8, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    started.set()
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert started.wait(30)
+        os.kill(engine_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+
+        bound = stall_timeout + 5
+        assert wait_until(lambda: server.get("/health").status_code == 503, bound, interval=0.1)
+        assert time.monotonic() - stopped_at < bound
+        body = server.get("/health").json()
+        assert body["engine_dead"] is True and body["reason"] == "stalled", body
+        assert "EngineStalledError: stalled: no step completed in 3 s" in body["error"], body
+        reader.join(10)
+        assert not reader.is_alive(), "the stream in flight hangs after the engine stalled"
+        assert events[-1]["error"]["code"] == "engine_dead" and "stalled" in events[-1]["error"]["message"]
+
+        with contextlib.suppress(ProcessLookupError):  # the stalled worker may be killed already
+            os.kill(engine_pid, signal.SIGCONT)
+        time.sleep(1)
+        assert server.get("/health").status_code == 503  # sticky
+        assert server.get("/ready").status_code == 503
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine_pid, signal.SIGCONT)
         server.stop()

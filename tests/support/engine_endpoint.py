@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +37,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(model: Path, host: str, port: int) -> list[str]:
+def server_command(model: Path, host: str, port: int, extra_args: Sequence[str] = ()) -> list[str]:
     return [
         sys.executable, "-m", "berth", "serve", str(model),
-        "--host", host, "--port", str(port), "--log-level", "warning", *ENGINE_OPTIONS,
+        "--host", host, "--port", str(port), "--log-level", "warning", *ENGINE_OPTIONS, *extra_args,
     ]  # fmt: skip
 
 
@@ -104,12 +104,15 @@ class EngineEndpoint:
 
 
 async def start_engine_endpoint(
-    model: Path, env: Mapping[str, str] | None = None, admin_token: str = ADMIN_TOKEN
+    model: Path,
+    env: Mapping[str, str] | None = None,
+    admin_token: str = ADMIN_TOKEN,
+    extra_args: Sequence[str] = (),
 ) -> EngineEndpoint:
     """Start `berth serve` on a free 127.0.0.1 port; returns at once (see `wait_up`)."""
     host, port = "127.0.0.1", free_port()
     process = await asyncio.create_subprocess_exec(
-        *server_command(model, host, port),
+        *server_command(model, host, port, extra_args),
         env={**os.environ, "BERTH_ADMIN_TOKEN": admin_token, **(env or {})},
         stdout=asyncio.subprocess.DEVNULL,
     )
@@ -137,6 +140,7 @@ class EngineFleet:
     the pod is gone, and the operator's address resolver maps the pod to it."""
 
     model: Path  # the checkpoint every server loads
+    engine_args: tuple[str, ...] = ()  # more `berth serve` flags for every server
     # Reads the pod's Secrets, so each server takes the admin token the operator generated.
     read_secret: SecretReader | None = None
     endpoints: dict[str, EngineEndpoint] = field(default_factory=dict)  # launcher pod uid -> server
@@ -151,7 +155,9 @@ class EngineFleet:
         if self.is_launcher(pod):
             uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
             token = pod_admin_token(pod, self.read_secret) if self.read_secret is not None else None
-            self.endpoints[uid] = await start_engine_endpoint(self.model, admin_token=token or ADMIN_TOKEN)
+            self.endpoints[uid] = await start_engine_endpoint(
+                self.model, admin_token=token or ADMIN_TOKEN, extra_args=self.engine_args
+            )
             self._names[uid] = name
             self.started.append(name)
 

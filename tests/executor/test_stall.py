@@ -1,0 +1,115 @@
+"""A stalled engine is a dead engine: a worker stopped with SIGSTOP (alive, silent) or a rank of a
+tensor-parallel world that stops answering its collectives is declared dead within the stall
+timeout, every pending request gets `EngineDeadError`, and the engine stays dead when the
+process resumes. An engine that is only slow to answer (non-streamed requests, no response for
+many steps) keeps reporting its steps and is not taken for stalled."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+
+from berth.engine import LLM, SamplingParams
+from berth.engine.executor import EngineDeadError
+from berth.engine.executor.errors import EngineStalledError
+from tests.support.engine_processes import call_with_timeout, no_world_outlives, wait_until
+
+STALL_TIMEOUT = 3.0
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+ENGINE = {"max_batch_size": 8, "kv_cache_blocks": 256, "stall_timeout": STALL_TIMEOUT}
+
+
+def resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the stalled world may have been killed
+        os.kill(pid, signal.SIGCONT)
+
+
+def stop_mid_batch(llm: LLM, pid: int) -> tuple[list, float]:
+    """Starts a batch (one streamed request shows it runs), then stops `pid`."""
+    results = [llm.generate_async([5 + i] * (3 + i), LONG, streaming=i == 0) for i in range(4)]
+    first = iter(results[0])
+    call_with_timeout(lambda: next(first), 60)
+    assert wait_until(lambda: llm.executor.stats.num_steps > 1, 30), "the first step is done"
+    os.kill(pid, signal.SIGSTOP)
+    return results, time.monotonic()
+
+
+def expect_dead_within(result, stopped_at: float, bound: float) -> float:
+    with pytest.raises(EngineDeadError, match="stalled"):
+        result.result(timeout=bound + 10)
+    return time.monotonic() - stopped_at
+
+
+def test_a_stopped_worker_is_declared_stalled_and_stays_dead(tiny_model):
+    llm = LLM(tiny_model, executor="proxy", **ENGINE)
+    pid = llm.executor.engine_pid
+    try:
+        results, stopped_at = stop_mid_batch(llm, pid)
+        waits = [
+            call_with_timeout(lambda r=r: expect_dead_within(r, stopped_at, STALL_TIMEOUT), 30)
+            for r in results
+        ]
+        # The watchdog checks twice a second at most: timeout + its interval + the machine's noise.
+        assert max(waits) < STALL_TIMEOUT + 5, waits
+        error = llm.executor.fatal_error
+        assert isinstance(error, EngineStalledError)
+        message = str(error)
+        assert f"no step completed in {STALL_TIMEOUT:g} s" in message
+        assert "requests running" in message and "the last step ended at" in message
+        assert f"rank 0 (pid {pid}) is stopped (SIGSTOP)" in message
+        resume(pid)
+        for _ in range(5):  # sticky: a resumed engine is not trusted again
+            assert not llm.check_health()
+            time.sleep(0.2)
+        assert llm.executor.admission_state == "failed"
+        with pytest.raises(EngineDeadError):
+            llm.generate_async([5, 6], LONG)
+    finally:
+        resume(pid)
+        llm.shutdown()
+
+
+def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tiny_model):
+    """Non-streamed requests get nothing until they finish; the engine's heartbeats carry its
+    steps meanwhile, so a batch that runs for many stall timeouts lives."""
+    timeout = 1.0
+    with LLM(tiny_model, executor="proxy", **(ENGINE | {"stall_timeout": timeout})) as llm:
+        many = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        results = [llm.generate_async([7 + i] * 4, many) for i in range(8)]
+        started = time.monotonic()
+        steps_seen = {llm.executor.stats.num_steps}
+        while not all(result.finished for result in results) and time.monotonic() - started < 120:
+            steps_seen.add(llm.executor.stats.num_steps)
+            time.sleep(0.05)
+        outputs = [call_with_timeout(lambda r=r: r.result(timeout=60), 70) for r in results]
+        took = time.monotonic() - started
+        assert llm.check_health(), llm.executor.fatal_error
+    assert all(len(output.outputs[0].token_ids) == 1000 for output in outputs)
+    if took > 3 * timeout:  # the heartbeats were needed: steps were heard before any answer
+        assert len(steps_seen) > 2
+
+
+def test_a_stopped_follower_rank_stalls_its_world_and_is_named(tiny_model):
+    llm = LLM(tiny_model, tensor_parallel_size=2, **ENGINE)
+    (identity,) = llm.executor.identities
+    ranks = {rank: pid for rank, pid, _ in identity.world}
+    try:
+        results, stopped_at = stop_mid_batch(llm, ranks[1])
+        waits = [
+            call_with_timeout(lambda r=r: expect_dead_within(r, stopped_at, STALL_TIMEOUT), 30)
+            for r in results
+        ]
+        assert max(waits) < STALL_TIMEOUT + 5, waits
+        message = str(llm.executor.fatal_error)
+        assert message.startswith("stalled:"), message
+        assert f"rank 1 (pid {ranks[1]}) is stopped (SIGSTOP)" in message
+        resume(ranks[1])
+        assert not llm.check_health()
+    finally:
+        resume(ranks[1])
+        llm.shutdown()
+    no_world_outlives()
