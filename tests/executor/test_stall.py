@@ -113,3 +113,14 @@ def test_a_stopped_follower_rank_stalls_its_world_and_is_named(tiny_model):
         resume(ranks[1])
         llm.shutdown()
     no_world_outlives()
+
+
+def test_stall_timeouts_are_checked_and_the_first_step_gets_longer():
+    from berth.engine import EngineConfig
+
+    config = EngineConfig(model="m", stall_timeout=10)
+    assert (config.first_step_bound, config.collective_timeout) == (50, 5)
+    assert EngineConfig(model="m", stall_timeout=10, first_step_timeout=7).first_step_bound == 7
+    for bad in ({"stall_timeout": 0}, {"stall_timeout": True}, {"first_step_timeout": -1}):
+        with pytest.raises(ValueError, match="must be a positive number of seconds"):
+            EngineConfig(model="m", **bad)
