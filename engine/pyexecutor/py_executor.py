@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from berth.engine.config import EngineConfig
 from berth.engine.engine_io import (
     AbortRequest,
@@ -57,6 +59,7 @@ from berth.engine.pyexecutor.sleep import (
     StageWeights,
     resident_bytes,
 )
+from berth.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -454,11 +457,30 @@ class PyExecutor:
                 self._refuse(control, message, AdmissionState.PARKED, code="invalid_model")
             return
         self._on_every_rank(CommitWakeup(), "restore memory for a wakeup")
+        problem = self._verify_forward()
+        if problem is not None:
+            self._fail_transition(f"wakeup failed its check: {problem} ({self.memory.revision.path})")
         self.model_config = self.memory.model_config  # a new revision may stop on other tokens
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._sleep_level = 0
         if self._move(AdmissionState.WAKING, AdmissionState.RUNNING):
             self._report(control, started, before)
+
+    def _verify_forward(self) -> str | None:
+        """One token through the model on every rank, before admission reopens: what is wrong
+        with the restored weights (not finite logits: a poisoned checkpoint, a broken copy), or
+        None. It is also the first step after the wakeup, the one that may compile kernels."""
+        params = SamplingParams(max_tokens=1)
+        probe = Sequence(-1, 0, [0], params, priority=0.0, max_tokens=1, arrival_time=0.0)
+        if not self.kv_cache.try_allocate(probe, 1):
+            return "no KV block is free for a check step"
+        try:
+            logits, _ = self.model_runner.execute([(probe, 1)])
+        finally:
+            self.kv_cache.free(probe)
+        if not bool(torch.isfinite(logits).all()):
+            return "the model's logits are not finite (NaN or inf) after one token"
+        return None
 
     def memory_actions(self, action: MemoryAction) -> list[RankOutcome]:
         """Runs `action` on every rank of the world, between steps; every rank's outcome, by rank.

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from berth.engine.config import EngineConfig
 from berth.engine.engine_io import GenerationRequest, Sleep, TransitionResult, Wakeup
@@ -169,6 +170,23 @@ def test_a_wakeup_that_cannot_restore_the_engine_leaves_it_failed(tiny_model, tm
     (model / "model.safetensors").unlink()  # the weights to reload are gone
     engine.request_queue.enqueue_control(Wakeup())
     with pytest.raises(RuntimeError, match="wakeup failed: rank 0: FileNotFoundError"):
+        drive(engine, lambda: False)
+    assert engine.request_queue.admission_state is AdmissionState.FAILED
+
+
+def test_a_wakeup_with_poisoned_weights_fails_its_check_and_the_engine(tiny_model, tmp_path):
+    """Weights that load (right names, shapes, dtypes) but hold NaN: the one-token check after
+    the wakeup finds the logits not finite, and the engine is FAILED instead of serving NaN."""
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(tiny_model, poisoned)
+    weights = load_file(poisoned / "model.safetensors")
+    name = next(key for key in weights if key.endswith("mlp.down_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
+    engine = make_engine(tiny_model)
+    transition(engine, Sleep(level=1))
+    engine.request_queue.enqueue_control(Wakeup(model=str(poisoned)))
+    with pytest.raises(RuntimeError, match="wakeup failed its check: the model's logits are not finite"):
         drive(engine, lambda: False)
     assert engine.request_queue.admission_state is AdmissionState.FAILED
 
