@@ -643,7 +643,19 @@ class Supervisor:
         }
         if all(previous.get(key) == value for key, value in new.items()):
             return
+        patch = {key: _with_deletions(previous.get(key), value) for key, value in new.items()}
         await self.kube.patch(
-            API_VERSION, KIND, meta["namespace"], meta["name"], {"status": new}, subresource="status"
+            API_VERSION, KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status"
         )
         self._written = {**previous, **new}
+
+
+def _with_deletions(previous: Any, new: Any) -> Any:
+    """The merge-patch value that turns `previous` into `new`: a key of an object that `new`
+    no longer has is sent as null (a JSON merge patch keeps every key it does not name, so a
+    rollout's `complete` or `failed` would otherwise outlive it), in nested objects too."""
+    if not isinstance(previous, Mapping) or not isinstance(new, Mapping):
+        return new
+    patch = {key: _with_deletions(previous.get(key), value) for key, value in new.items()}
+    patch.update({key: None for key in previous if key not in new})
+    return patch

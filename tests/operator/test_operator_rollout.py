@@ -182,7 +182,14 @@ async def test_a_rolling_change_drains_one_world_at_a_time_and_fails_no_request(
         await wait_for(lambda: status(cluster).get("readyReplicas") == 2, START_TIMEOUT, "2 worlds Ready")
         async with recorded_statuses(cluster) as seen, steady_client(fleet) as tally:
             await wait_for(lambda: tally["ok"] >= 5, 30, "the client's first answers")
+            assert status(cluster)["rollout"]["complete"] is True  # nothing to roll out yet
             await patch_spec(cluster, {"env": [{"name": "BERTH_ROLLOUT_TEST", "value": "2"}]})
+            under_way = await wait_for(
+                lambda: (rollout := status(cluster).get("rollout") or {}).get("inFlight") and rollout,
+                30,
+                "the rollout under way",
+            )
+            assert "complete" not in under_way, under_way  # the last rollout's word went with it
             await wait_for(lambda: rollout_complete(cluster), ROLLOUT_TIMEOUT, "the rollout complete")
             await wait_for(lambda: tally["ok"] >= 5 + 10, 30, "answers after the rollout")
         assert argocd_health(llmd(cluster))["status"] == "Healthy"

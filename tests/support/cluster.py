@@ -22,6 +22,7 @@ import datetime as dt
 import hashlib
 import itertools
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ import aiohttp
 import kmock
 
 from tests.support.kube_emulator import Emulator, declare_resources
+
+logger = logging.getLogger(__name__)
 
 KUBECONFIG_TEMPLATE = """\
 apiVersion: v1
@@ -166,7 +169,12 @@ async def running_cluster(tmp_path: Path, namespace: str = "default") -> AsyncIt
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig.yaml", url, namespace)
         cache_dir = tmp_path / "kube-cache"
         cache_dir.mkdir(exist_ok=True)
-        async with aiohttp.ClientSession() as session:
+        # A new connection per request, each bounded: an in-process kopf operator cancels, when it
+        # stops, every task born during its run, the emulator's handlers of open keep-alive
+        # connections among them; the next request on such a connection would wait forever.
+        connector = aiohttp.TCPConnector(force_close=True)
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             yield Cluster(emulator, url, kubeconfig, cache_dir, session, namespace)
 
 
@@ -215,6 +223,7 @@ class ClusterSim:
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
     _running_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod
     failed_creates: list[str] = field(default_factory=list)  # what the API refused, as the Events say
+    failed_passes: int = 0  # passes of the controllers that raised (logged, then retried)
 
     async def _create_pod(self, owner_kind: str, owner: dict[str, Any], pod: dict[str, Any]) -> None:
         """Create a pod; a refusal becomes a FailedCreate Event on the owner, as the real
@@ -342,9 +351,9 @@ class ClusterSim:
         for uid, pod in live.items():
             if uid in self._running_pods or (pod.get("status") or {}).get("phase"):
                 continue
-            self._running_pods[uid] = pod
             if self.on_pod_start is not None:
                 await self.on_pod_start(pod)
+            self._running_pods[uid] = pod  # from here its stop hook runs once it is gone
             await self.set_pod_status(pod, self.running_status(pod))
 
     def running_status(self, pod: dict[str, Any]) -> dict[str, Any]:
@@ -370,10 +379,19 @@ class ClusterSim:
         }
 
     async def set_pod_status(self, pod: dict[str, Any], status: dict[str, Any]) -> None:
+        """Patches the status of exactly this pod (by uid: a pod deleted and created again under
+        its name in the meantime is another pod, and one that is gone has no status to set)."""
         meta = pod["metadata"]
-        await self.cluster.api(
-            "PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status", {"status": status}
-        )
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
+        current = self.cluster.get("v1/pods", meta["name"], meta["namespace"])
+        if current is None or current["metadata"].get("uid") != meta.get("uid"):
+            return
+        try:
+            await self.cluster.api("PATCH", path, {"status": status})
+        except AssertionError:
+            if self.cluster.get("v1/pods", meta["name"], meta["namespace"]) is not None:
+                raise  # still there: a real refusal
+            # Deleted between the check and the patch: nothing to report.
 
     async def fail_pod(self, name: str, message: str, exit_code: int = 1, namespace: str = "default") -> None:
         """The pod's container exits for good (what a crashed process on a node looks like)."""
@@ -434,6 +452,12 @@ class ClusterSim:
                     # its run: one inside a hook must not end the simulated controllers for good.
                     if stopping:
                         raise
+                except Exception:
+                    # Real controllers requeue after a failed pass (a race with a deletion, an API
+                    # refusal): one failed pass must not stop every pod from ever starting again.
+                    logger.exception("a pass of the simulated controllers failed; the next one retries")
+                    self.failed_passes += 1
+                    await asyncio.sleep(self.interval)
 
         task = asyncio.create_task(loop())
         try:

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from tests.support.engine_processes import pid_alive
+
 ADMIN_TOKEN = "test-admin-token"
 # A server imports torch, loads the model and spawns its worker: seconds on a quiet 2-core
 # machine, many more while other tests run. Tests wait for Ready with this bound.
@@ -90,17 +92,28 @@ class EngineEndpoint:
         return pid
 
     async def stop(self) -> None:
-        if self.process.returncode is None:
+        """SIGTERM, then SIGKILL after STOP_TIMEOUT; bounded whatever happens. Polled, never
+        `process.wait()`: an in-process kopf operator cancels, when it stops, every task born
+        during its run, and a wait on a process started then could hang the kubelet's loop
+        (which stops old pods before it starts new ones)."""
+        if self.process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
             self.process.terminate()
-            # Polled, not `wait_for(process.wait())`: that wraps the wait in a new task, and an
-            # in-process kopf operator cancels every task born during its run when it stops.
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + STOP_TIMEOUT
-            while self.process.returncode is None and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            if self.process.returncode is None:
+        if not await self._exited(STOP_TIMEOUT):
+            with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
-            await self.process.wait()
+            if not await self._exited(STOP_TIMEOUT):
+                raise RuntimeError(f"berth serve {self.process.pid} outlived SIGKILL by {STOP_TIMEOUT} s")
+
+    async def _exited(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.process.returncode is None and pid_alive(self.process.pid):
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
 
 async def start_engine_endpoint(

@@ -729,6 +729,10 @@ class Kubelet:
             assert self._prober is not None
             probes = asyncio.create_task(self._prober.run(runtime, container))
             code = await container.process.wait()
+            if probes.done() and not probes.cancelled() and probes.exception() is not None:
+                # Its probes stopped while it ran: the kubelet's bug, not the pod's.
+                error = probes.exception()
+                self.problems.append(f"pod {runtime.namespace}/{runtime.name}: probes failed: {error!r}")
             probes.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await probes

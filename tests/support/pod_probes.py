@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import aiohttp
 
 from tests.support.pod_state import ContainerState, PodRuntime, kill_container
+
+logger = logging.getLogger(__name__)
 
 
 class Prober:
@@ -129,6 +132,10 @@ class Prober:
             return False
         except ValueError as error:
             self.problems.append(f"pod {runtime.namespace}/{runtime.name}: {error}")
+            return False
+        except Exception:
+            # A probe that errs has failed (as the kubelet counts it); its loop goes on.
+            logger.exception("probe of pod %s/%s raised", runtime.namespace, runtime.name)
             return False
         self.problems.append(f"pod {runtime.namespace}/{runtime.name}: unsupported probe {sorted(probe)}")
         return False
