@@ -171,11 +171,14 @@ def _asleep(
     else:
         conditions.append(_condition("Progressing", False, "Asleep", f"{why}: {counts}"))
     conditions.append(_degraded(failed))
+    # A sleep on schedule is the plan, a sleep asked for in spec.sleep is someone's decision:
+    # Argo CD shows the first Healthy, the second Suspended (manifests/argocd/health.lua).
+    parked_reason = "ScheduledSleep" if sleep.source.startswith("schedule") else "EnginesParked"
     conditions.append(
         _condition(
             "Sleeping",
             asleep,
-            "EnginesParked" if asleep else "Parking",
+            parked_reason if asleep else "Parking",
             f"{why}: {counts} (device memory released; GPUs stay allocated to the pods)",
         )
     )

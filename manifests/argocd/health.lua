@@ -2,9 +2,10 @@
 -- Healthy: Ready, and both the reconcile (status.observedGeneration) and the health daemon
 -- (each condition's observedGeneration) have seen the current generation. Progressing: a new
 -- spec not reconciled or not judged yet, worlds starting, restarting, parking or waking, a
--- scale-down draining. Suspended: every engine sleeps (spec.sleep or a schedule; as Argo CD
--- shows a stopped KServe service). Degraded: a world used up its restarts (the message carries
--- the engine's own error) or the operator refused the spec (observedGeneration is set then).
+-- scale-down draining. Suspended: every engine sleeps because spec.sleep says so (as Argo CD
+-- shows a stopped KServe service); asleep on a schedule is Healthy, saying when it wakes.
+-- Degraded: a world used up its restarts (the message carries the engine's own error) or the
+-- operator refused the spec (observedGeneration is set then).
 local hs = { status = "Progressing", message = "Waiting for the berth operator" }
 if obj.status == nil then
   return hs
@@ -50,6 +51,16 @@ if degraded ~= nil and degraded.status == "True" then
 end
 
 local sleeping = condition("Sleeping")
+if sleeping ~= nil and sleeping.status == "True" and sleeping.reason == "ScheduledSleep" then
+  -- Asleep as its schedule says: the plan, nothing for anyone to do. The message says when it wakes.
+  hs.status = "Healthy"
+  hs.message = sleeping.message or "asleep on schedule"
+  local upcoming = obj.status.nextTransition
+  if upcoming ~= nil and upcoming.message ~= nil then
+    hs.message = hs.message .. "; next: " .. upcoming.message
+  end
+  return hs
+end
 if sleeping ~= nil and sleeping.status == "True" then
   hs.status = "Suspended"
   hs.message = sleeping.message or "Sleeping"

@@ -69,6 +69,21 @@ def test_sleeping_is_suspended() -> None:
     }
 
 
+def test_asleep_on_schedule_is_healthy_and_says_when_it_wakes() -> None:
+    """The plan, not a decision someone made: nothing to look at, and no Suspended app that
+    Argo CD would show as stopped every night."""
+    parked = ("True", "ScheduledSleep", "asleep at level 1 by schedule night: 2/2 engines parked")
+    obj = cr(Ready=NOT_READY, Sleeping=parked, Degraded=NOT_DEGRADED)
+    obj["status"]["nextTransition"] = {"message": "Wake at 2026-06-02T04:00:00.000000Z (schedule morning)"}
+    assert health(obj) == {
+        "status": "Healthy",
+        "message": f"{parked[2]}; next: Wake at 2026-06-02T04:00:00.000000Z (schedule morning)",
+    }
+    # On the way to sleep (not every engine parked yet) it is progressing, as any change is.
+    parking = ("False", "Parking", "asleep at level 1 by schedule night: 1/2 engines parked")
+    assert health(cr(Ready=NOT_READY, Sleeping=parking, Degraded=NOT_DEGRADED))["status"] == "Progressing"
+
+
 def test_degraded_wins_over_sleeping() -> None:
     failed = ("True", "RestartBudgetExhausted", "boom")
     assert health(cr(Sleeping=("True", "EnginesParked", "x"), Degraded=failed))["status"] == "Degraded"

@@ -48,6 +48,15 @@ def condition(cluster: Cluster, kind: str) -> dict[str, Any]:
     return next((c for c in status(cluster).get("conditions") or [] if c["type"] == kind), {})
 
 
+def sleeping_condition(cluster: Cluster) -> dict[str, Any]:
+    return next((c for c in status(cluster).get("conditions") or [] if c["type"] == "Sleeping"), {})
+
+
+def ready_condition(cluster: Cluster) -> str | None:
+    ready = next((c for c in status(cluster).get("conditions") or [] if c["type"] == "Ready"), {})
+    return ready.get("status")
+
+
 def health(cluster: Cluster) -> str:
     return argocd_health(llmd(cluster))["status"]
 
@@ -173,11 +182,16 @@ async def test_a_schedule_fires_at_its_time_not_a_poll_later(
         await patch_spec(cluster, {"sleepSchedules": schedules})
         await wait_for(lambda: status(cluster).get("nextTransition"), 3 * interval, "nextTransition")
         upcoming = status(cluster)["nextTransition"]
-        await wait_for(lambda: health(cluster) == "Suspended", TRANSITION_TIMEOUT, "asleep by the schedule")
+        await wait_for(lambda: sleeping_condition(cluster)["status"] == "True", TRANSITION_TIMEOUT, "asleep")
         slept = status(cluster)
+        on_schedule = argocd_health(llmd(cluster))
 
         clock.set(morning - dt.timedelta(seconds=3))
-        await wait_for(lambda: health(cluster) == "Healthy", TRANSITION_TIMEOUT, "awake by the schedule")
+        await wait_for(
+            lambda: sleeping_condition(cluster)["status"] == "False" and ready_condition(cluster) == "True",
+            TRANSITION_TIMEOUT,
+            "awake by the schedule",
+        )
         woke = status(cluster)
 
     assert upcoming == {
@@ -195,6 +209,11 @@ async def test_a_schedule_fires_at_its_time_not_a_poll_later(
     assert slept["nextTransition"]["schedule"] == "morning"
     sleeping = next(c for c in slept["conditions"] if c["type"] == "Sleeping")
     assert sleeping["status"] == "True" and "by schedule night" in sleeping["message"]
+    assert sleeping["reason"] == "ScheduledSleep"
+    # Asleep as planned: Healthy in Argo CD, saying when the schedule wakes it.
+    assert on_schedule["status"] == "Healthy", on_schedule
+    assert "by schedule night" in on_schedule["message"]
+    assert on_schedule["message"].endswith("next: Wake at 2026-06-02T04:00:00.000000Z (schedule morning)")
     assert events(cluster, "Sleeping") == [
         "world 0: sleeping at level 1 (schedule night); requests in flight get up to 300s to finish"
     ]
