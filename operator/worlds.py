@@ -38,6 +38,7 @@ PERSISTENT = (
     "probeFailures",
     "modelRevision",
     "lastTransition",
+    "recentRestarts",
 )
 
 
@@ -47,6 +48,12 @@ class Failure:
     # WorkerRestarted, Unreachable
     reason: str
     error: str
+    node: str | None = None  # the node of the pod at fault (the launcher's for an engine failure)
+
+
+# How many restarts `recentRestarts` keeps, newest last, and how much of each error.
+RESTART_HISTORY = 5
+ERROR_LINE_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class PodView:
     waiting: str  # why not running (for the status message)
     failure: Failure | None
     snapshot: dict[str, str]  # pod name -> "uid/restartCount" of the world's current pods
+    launcher_node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,20 @@ def _termination_text(pod: Mapping[str, Any]) -> str:
     return status.get("message") or status.get("reason") or "pod failed"
 
 
+def _node(pod: Mapping[str, Any] | None) -> str | None:
+    return ((pod or {}).get("spec") or {}).get("nodeName")
+
+
+def _restart_record(failure: Failure, now: dt.datetime) -> dict[str, Any]:
+    """One entry of `recentRestarts`: when, why, the error's last line (a traceback ends with
+    the exception), and on which node (a node that keeps appearing is the suspect)."""
+    lines = [line.strip() for line in failure.error.strip().splitlines() if line.strip()]
+    last_line = lines[-1] if lines else failure.error
+    if len(last_line) > ERROR_LINE_CHARS:
+        last_line = last_line[: ERROR_LINE_CHARS - 3] + "..."
+    return {"time": format_time(now), "reason": failure.reason, "error": last_line, "node": failure.node}
+
+
 def snapshot_of(pods: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     return {pod["metadata"]["name"]: f"{pod['metadata'].get('uid')}/{_restart_count(pod)}" for pod in pods}
 
@@ -115,18 +137,21 @@ def view_pods(
     failure: Failure | None = None
 
     if launcher is not None and _phase(launcher) == "Failed":
-        failure = Failure("LauncherFailed", f"launcher pod {launcher_name}: {_termination_text(launcher)}")
+        failure = Failure(
+            "LauncherFailed", f"launcher pod {launcher_name}: {_termination_text(launcher)}", _node(launcher)
+        )
     elif launcher is not None and _phase(launcher) == "Succeeded":
         # A launcher serves until it is stopped: one that ended on its own (even with exit code 0)
         # has ended its world, and nothing else would ever restart it (restartPolicy Never).
         failure = Failure(
             "LauncherExited",
             f"launcher pod {launcher_name} ended on its own: {_termination_text(launcher)}",
+            _node(launcher),
         )
     for pod in workers:
         if failure is None and _phase(pod) in ("Failed", "Succeeded"):
             failure = Failure(
-                "WorkerFailed", f"worker pod {pod['metadata']['name']}: {_termination_text(pod)}"
+                "WorkerFailed", f"worker pod {pod['metadata']['name']}: {_termination_text(pod)}", _node(pod)
             )
     if failure is None and members:
         by_name = {pod["metadata"]["name"]: pod for pod in current}
@@ -139,7 +164,9 @@ def view_pods(
                 break
             if _restart_count(pod) > int(restarts or 0):
                 failure = Failure(
-                    "WorkerRestarted", f"pod {name} restarted while the world ran: {_termination_text(pod)}"
+                    "WorkerRestarted",
+                    f"pod {name} restarted while the world ran: {_termination_text(pod)}",
+                    _node(pod),
                 )
                 break
 
@@ -160,7 +187,13 @@ def view_pods(
         waiting = f"worker pods not running yet: {', '.join(pending)}"
     else:
         waiting = ""
-    return PodView(running=not waiting, waiting=waiting, failure=failure, snapshot=snapshot)
+    return PodView(
+        running=not waiting,
+        waiting=waiting,
+        failure=failure,
+        snapshot=snapshot,
+        launcher_node=_node(launcher),
+    )
 
 
 def step(
@@ -184,14 +217,16 @@ def step(
         if probe.status == "dead":
             # A stalled engine is alive and stuck (a stopped rank, a hung collective or device).
             reason = "Stalled" if probe.death == "stalled" else "EngineDead"
-            failure = Failure(reason, probe.error or "engine reported dead")
+            failure = Failure(reason, probe.error or "engine reported dead", pods.launcher_node)
         elif probe.status == "unreachable":
             if previous_phase in UP_PHASES:
                 status["probeFailures"] = int(status["probeFailures"]) + 1
                 threshold = spec.health.failure_threshold
                 if status["probeFailures"] >= threshold:
                     failure = Failure(
-                        "Unreachable", f"launcher did not answer {threshold} polls in a row: {probe.error}"
+                        "Unreachable",
+                        f"launcher did not answer {threshold} polls in a row: {probe.error}",
+                        pods.launcher_node,
                     )
                 else:
                     status.update(
@@ -258,6 +293,7 @@ def _on_failure(
     decision = decide(status.get("restartTimes", []), now, policy)
 
     if decision.action == "restart":
+        history = [*status.get("recentRestarts", []), _restart_record(failure, now)][-RESTART_HISTORY:]
         recent = [
             format_time(t)
             for t in recent_restarts(status.get("restartTimes", []), now, policy.window_seconds)
@@ -268,6 +304,7 @@ def _on_failure(
             restartTimes=[*recent, format_time(now)],
             lastRestartTime=format_time(now),
             lastRestartReason=failure.reason,
+            recentRestarts=history,
             probeFailures=0,
             members={},
             message=f"restarting the whole world after {failure.reason}: {failure.error}",

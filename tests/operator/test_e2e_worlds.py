@@ -35,7 +35,7 @@ from berth.operator import naming
 from tests.engine.conftest import hf_greedy
 from tests.support import e2e
 from tests.support.cluster import Cluster
-from tests.support.kubelet import Kubelet
+from tests.support.kubelet import NODE_NAME, Kubelet
 from tests.support.pod_state import processes_in
 
 # A tiny world: two CPU ranks, fast polls, a small restart budget (the launcher cannot start).
@@ -84,6 +84,11 @@ async def test_the_rendered_pods_run_and_a_launcher_that_cannot_start_is_visible
         assert terminated["exitCode"] == 2 and error in terminated["message"]
         world = llmd.world()
         assert world["lastRestartReason"] == "LauncherFailed" and world["restarts"] == 1
+        # The crash history: when, why, the error's last line, the node it happened on.
+        (record,) = world["recentRestarts"]
+        assert record["time"] == world["lastRestartTime"] and record["reason"] == "LauncherFailed"
+        assert record["node"] == NODE_NAME
+        assert record["error"] and record["error"] in world["lastEngineError"].splitlines()[-1]
         assert (
             f"launcher pod {launcher}: container launcher exited with code 2 (Error)"
             in world["lastEngineError"]

@@ -117,6 +117,9 @@ async def test_kill_9_of_the_engine_restarts_the_whole_world(
     restarted = world(cluster)
     assert restarted["lastRestartReason"] == "EngineDead"
     assert restarted["lastEngineError"] == expected_error
+    assert restarted["recentRestarts"] == [
+        {"time": restarted["lastRestartTime"], "reason": "EngineDead", "error": expected_error, "node": None}
+    ]  # the simulated kubelet binds no node (tests/operator/test_e2e_worlds.py has one)
     # Whole world: the launcher and both workers are new pods, under the same names.
     for pod, old_uid in old.items():
         assert uid(cluster, pod) not in (None, old_uid), f"{pod} was not replaced"
@@ -193,6 +196,10 @@ async def test_repeated_deaths_back_off_then_exhaust_the_budget(
 
     current = world(cluster)
     assert current["restarts"] == 2
+    history = current["recentRestarts"]  # both restarts, oldest first, each with its own error
+    assert [record["reason"] for record in history] == ["EngineDead", "WorkerFailed"]
+    assert history[1]["error"].endswith("rank 1: CUDA error: an illegal memory access")
+    assert history[-1]["time"] == current["lastRestartTime"] and history[0]["time"] < history[1]["time"]
     assert uid(cluster, "llama-w0-launcher") == failed_launcher
     first, second = (parse_time(t) for t in current["restartTimes"])
     assert (second - first).total_seconds() >= backoff
