@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,29 @@ class RequestError(RuntimeError):
 
     def __reduce__(self):  # keep `code` and `param` across pickling (errors cross processes)
         return (type(self), (str(self), self.code, self.param))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProgress:
+    """How far the engine's start has come, reported while it loads (rank 0's view): `step` is
+    "loading weights" (`done` / `total` bytes read), "sizing the KV cache" (the profiled step),
+    or "checking the model" (one token through every rank)."""
+
+    step: str
+    done: int = 0
+    total: int = 0
+
+    @property
+    def fraction(self) -> float | None:
+        return self.done / self.total if self.total else None
+
+    def describe(self) -> str:
+        if self.total:
+            return f"{self.step}: {100 * self.done / self.total:.0f}% of {self.total / 2**20:.1f} MiB"
+        return self.step
+
+
+ProgressSink = Callable[[LoadProgress], None]
 
 
 class EngineStalledError(RuntimeError):

@@ -9,7 +9,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from berth.engine.config import EngineConfig
-from berth.engine.engine_io import DEFAULT_DRAIN_TIMEOUT, TransitionError, TransitionResult
+from berth.engine.engine_io import DEFAULT_DRAIN_TIMEOUT, ProgressSink, TransitionError, TransitionResult
 from berth.engine.executor import GenerationRequest, GenerationResult, create_executor
 from berth.engine.outputs import RequestOutput
 from berth.engine.sampling_params import SamplingParams
@@ -29,6 +29,8 @@ class LLM:
     engine runs, and `world` where a tensor-parallel engine's ranks run (an
     `executor.world.MpiWorld`; default: this machine) (see `create_executor`);
     `num_postprocess_workers` N > 0 detokenizes in N processes of their own (proxy only).
+    `on_progress` hears how the engine's start comes along (`LoadProgress`: weights read, the
+    KV cache sized, the model checked) while the constructor runs.
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class LLM:
         executor: str = "proxy",
         world=None,
         num_postprocess_workers: int = 0,
+        on_progress: ProgressSink | None = None,
         **engine_options,
     ) -> None:
         if not (Path(model) / "config.json").is_file():
@@ -53,6 +56,7 @@ class LLM:
             mode=executor,
             world=world,
             num_postprocess_workers=num_postprocess_workers,
+            on_progress=on_progress,
         )
 
     @classmethod

@@ -42,6 +42,7 @@ class Probe:
     admission: str | None = None
     error: str | None = None
     death: str | None = None  # a dead engine's reason: "stalled" (alive, no progress) or "died"
+    loading: str | None = None  # while the engine loads: how far it has come, in words
     seconds: float = 0.0
     # From /admin/state (None without the admin token, or when it did not answer).
     model_revision: str | None = None  # "PATH@DIGEST"
@@ -98,6 +99,7 @@ async def probe(
         ready = await client.get(f"{base}/ready", timeout=timeout)
         ready_body = _json(ready)
         admission = ready_body.get("admission") or ("running" if ready.status_code == 200 else None)
+        loading = ready_body.get("loading") if isinstance(ready_body.get("loading"), dict) else None
         revision, level = None, None
         if admin_token:
             # Details only: readiness stays the engine's own /ready answer (what the kubelet sees).
@@ -112,6 +114,7 @@ async def probe(
             "alive",
             ready=ready.status_code == 200,
             admission=admission,
+            loading=f"{loading.get('message')} ({loading.get('seconds')} s)" if loading else None,
             seconds=time.perf_counter() - started,
             model_revision=revision,
             sleep_level=level,

@@ -260,6 +260,9 @@ def step(
                 )
             elif status["admission"] == "waking":
                 status.update(phase="Waking", message="engine waking up (admission: waking)")
+            elif status["admission"] == "loading":
+                # The launcher answers while its engine loads: how far the load has come.
+                status.update(phase="Starting", message=f"engine loading: {probe.loading or 'starting'}")
             else:
                 status.update(
                     phase="NotReady",

@@ -12,7 +12,7 @@ import queue
 import threading
 
 from berth.engine.config import EngineConfig
-from berth.engine.engine_io import AbortRequest, Control, GenerationRequest
+from berth.engine.engine_io import AbortRequest, Control, GenerationRequest, ProgressSink
 from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.executor import GenerationExecutor
 from berth.engine.pyexecutor.py_executor import PyExecutor
@@ -25,10 +25,10 @@ DEAD_SHUTDOWN_TIMEOUT = 5.0
 
 
 class InProcessExecutor(GenerationExecutor):
-    def __init__(self, config: EngineConfig, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, tokenizer, on_progress: ProgressSink | None = None) -> None:
         super().__init__(tokenizer)
         self.config = config
-        self.engine = PyExecutor.launch(config)
+        self.engine = PyExecutor.launch(config, on_progress=on_progress)
         self.limits, self._stats = self.engine.limits, self.engine.stats()  # as READY says them
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="berth-dispatch", daemon=True)

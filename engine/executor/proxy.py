@@ -45,7 +45,15 @@ from pathlib import Path
 import zmq
 
 from berth.engine.config import EngineConfig
-from berth.engine.engine_io import AbortRequest, Control, GenerationRequest, Shutdown, TransitionResult
+from berth.engine.engine_io import (
+    AbortRequest,
+    Control,
+    GenerationRequest,
+    LoadProgress,
+    ProgressSink,
+    Shutdown,
+    TransitionResult,
+)
 from berth.engine.executor import ipc
 from berth.engine.executor.errors import (
     EngineDeadError,
@@ -94,9 +102,12 @@ class ProxyExecutor(GenerationExecutor):
         init_timeout: float = WORKER_INIT_TIMEOUT,
         num_postprocess_workers: int = 0,
         world: World | None = None,
+        on_progress: ProgressSink | None = None,
     ) -> None:
         super().__init__(tokenizer)
         self.config = config
+        self._on_progress = on_progress  # hears the world's load, step by step, until READY
+        self.load_progress: LoadProgress | None = None
         self.world = world or default_world(config)
         if self.world.size != config.tensor_parallel_size:
             raise ValueError(
@@ -247,6 +258,11 @@ class ProxyExecutor(GenerationExecutor):
         )
         self._init.send(setup, routing_id=routing_id)  # the answer to an identity is the setup
         _, status = self._await_init_message(deadline, "loading the model")
+        while isinstance(status, LoadProgress):
+            self.load_progress = status
+            if self._on_progress is not None:
+                self._on_progress(status)
+            _, status = self._await_init_message(deadline, "loading the model")
         if isinstance(status, InitFailed):
             raise status.error from RemoteTraceback(status.traceback)
         if not isinstance(status, WorkerReady):

@@ -172,10 +172,11 @@ def _initialize(init: ipc.SignedSocket, request_address: str, world):
     try:  # the import too: a broken torch install is a failed start the proxy must hear about
         from berth.engine.pyexecutor.py_executor import PyExecutor
 
+        # While it loads, the proxy hears how far it has come (the init socket is idle until READY).
         if world is None:
-            engine = PyExecutor.launch(setup.config)
+            engine = PyExecutor.launch(setup.config, on_progress=init.send)
         else:
-            engine = PyExecutor.launch(*world.join_collectives(setup.config))
+            engine = PyExecutor.launch(*world.join_collectives(setup.config), on_progress=init.send)
     except BaseException as error:
         logger.exception("the engine failed to start")
         # Another rank's failure carries that rank's own traceback.

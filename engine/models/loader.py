@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -87,10 +88,13 @@ def checkpoint_digest(model_dir: str | Path) -> str:
 class StoredTensor:
     """One tensor of an open safetensors file, read when asked, and only the part asked for."""
 
-    def __init__(self, handle, name: str, progress: tqdm) -> None:
+    def __init__(
+        self, handle, name: str, progress: tqdm, report: Callable[[int, int], None] | None = None
+    ) -> None:
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
         self._progress = progress
+        self._report = report
 
     def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
         if dim is None:
@@ -100,10 +104,15 @@ class StoredTensor:
             index[dim] = slice(start, self.shape[dim] if length is None else start + length)
             tensor = self._slice[tuple(index)]
         self._progress.update(tensor.numel() * tensor.element_size())
+        if self._report is not None:
+            self._report(self._progress.n, self._progress.total)
         return tensor
 
 
-def iterate_weights(files: list[Path]) -> Iterator[tuple[str, StoredTensor]]:
+def iterate_weights(
+    files: list[Path], report: Callable[[int, int], None] | None = None
+) -> Iterator[tuple[str, StoredTensor]]:
+    """Every tensor of `files`, read lazily; `report(bytes read, bytes in the files)` after each read."""
     # The bar counts bytes read, which for a shard is a part of the files.
     total = sum(f.stat().st_size for f in files)
     with tqdm(
@@ -112,7 +121,9 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, StoredTensor]]:
         for path in files:
             with safe_open(str(path), framework="pt") as shard:
                 for name in shard.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, StoredTensor(shard, name, progress)
+                    yield name, StoredTensor(shard, name, progress, report)
+    if report is not None:
+        report(total, total)  # done: headers and a shard's unread parts are never counted as read
 
 
 def load_model(
@@ -120,8 +131,10 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     tp: TensorParallelGroup = SINGLE,
+    on_bytes_read: Callable[[int, int], None] | None = None,
 ) -> LlamaForCausalLM:
-    """The model, or with `tp` this rank's shard of it, loaded and packed for the kernels."""
+    """The model, or with `tp` this rank's shard of it, loaded and packed for the kernels;
+    `on_bytes_read(read, total)` hears how far reading the files has come (a few times a second)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     if config.architecture not in ARCHITECTURES:
@@ -132,6 +145,24 @@ def load_model(
     model = ARCHITECTURES[config.architecture](
         config, dtype=resolve_dtype(dtype, config, device), device=device, tp=tp
     )
-    model.load_weights(iterate_weights(checkpoint_files(model_dir)))
+    model.load_weights(iterate_weights(checkpoint_files(model_dir), _throttled(on_bytes_read)))
     model.pack_weights()
     return model.eval()
+
+
+# How often a load reports its progress at most (each report may cross a process boundary).
+PROGRESS_INTERVAL_SECONDS = 0.25
+
+
+def _throttled(report: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
+    if report is None:
+        return None
+    last = [0.0]
+
+    def throttled(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_INTERVAL_SECONDS or done >= total:
+            last[0] = now
+            report(done, total)
+
+    return throttled

@@ -32,6 +32,8 @@ from berth.engine.engine_io import (
     EngineStats,
     GenerationRequest,
     KVCachePlan,
+    LoadProgress,
+    ProgressSink,
     RequestError,
     Response,
     Shutdown,
@@ -116,13 +118,20 @@ class PyExecutor:
         self._start_on_thread: queue.SimpleQueue | None = None  # set by `launch`
 
     @classmethod
-    def from_config(cls, config: EngineConfig, tp: TensorParallelGroup = SINGLE) -> PyExecutor:
+    def from_config(
+        cls, config: EngineConfig, tp: TensorParallelGroup = SINGLE, on_progress: ProgressSink | None = None
+    ) -> PyExecutor:
         """The engine of rank 0 of `tp` (of the only rank, by default): see `rank.build_rank`."""
-        return cls(config, *build_rank(config, tp))
+        return cls(config, *build_rank(config, tp, on_progress))
 
     @classmethod
-    def launch(cls, config: EngineConfig, tp: TensorParallelGroup = SINGLE) -> PyExecutor:
+    def launch(
+        cls, config: EngineConfig, tp: TensorParallelGroup = SINGLE, on_progress: ProgressSink | None = None
+    ) -> PyExecutor:
         """`from_config` on a new thread, which then runs the loop once `start()` is called.
+        Before it returns, one token goes through the model on every rank (`_verify_forward`):
+        the first step, which may compile kernels, is done before the engine says it is ready,
+        and weights that give no finite logits never serve.
 
         Why: torch's CPU ops keep one OpenMP thread pool per calling thread. A model built on
         one thread and stepped on another leaves two pools contending for the cores, which
@@ -134,7 +143,12 @@ class PyExecutor:
 
         def main() -> None:
             try:
-                engine = cls.from_config(config, tp)
+                engine = cls.from_config(config, tp, on_progress)
+                if on_progress is not None:
+                    on_progress(LoadProgress("checking the model"))
+                problem = engine._verify_forward()
+                if problem is not None:  # the worker ends the world (other ranks wait in receive)
+                    raise RuntimeError(f"{config.model} failed its check after loading: {problem}")
             except BaseException as error:
                 built.put(error)
                 return

@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from berth.engine.config import EngineConfig
-from berth.engine.engine_io import KVCachePlan
+from berth.engine.engine_io import KVCachePlan, LoadProgress, ProgressSink
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.loader import DTYPES, load_model
 from berth.engine.models.parallel import (
@@ -113,10 +113,14 @@ def leave_world(tp: TensorParallelGroup) -> None:
     leave_group(tp)
 
 
-def build_rank(config: EngineConfig, tp: TensorParallelGroup = SINGLE) -> tuple[ModelRunner, KVCachePlan]:
+def build_rank(
+    config: EngineConfig, tp: TensorParallelGroup = SINGLE, on_progress: ProgressSink | None = None
+) -> tuple[ModelRunner, KVCachePlan]:
     """This rank's model shard and KV cache, once every rank of the world has both; and the
-    plan the pool was sized by."""
-    model = _agreed(tp, "loading the model", lambda: _load(config, tp))
+    plan the pool was sized by. `on_progress` hears how far this rank has come."""
+    report = on_progress or (lambda progress: None)
+    model = _agreed(tp, "loading the model", lambda: _load(config, tp, report))
+    report(LoadProgress("sizing the KV cache"))
     mc: ModelConfig = model.config
     shard = attention_shard(mc.num_heads, mc.num_kv_heads, tp.rank, tp.size)
     device = next(model.parameters()).device
@@ -181,10 +185,16 @@ def rank_memory(runner: ModelRunner, config: EngineConfig) -> RankMemory:
     return RankMemory(runner, runner.kv_cache, config, load, rank=runner.tp.rank)
 
 
-def _load(config: EngineConfig, tp: TensorParallelGroup) -> torch.nn.Module:
+def _load(config: EngineConfig, tp: TensorParallelGroup, report: ProgressSink) -> torch.nn.Module:
     """The model shard, checked against the config."""
     device = torch.device(config.resolved_device())
-    model = load_model(config.model, config.dtype, device, tp)
+    model = load_model(
+        config.model,
+        config.dtype,
+        device,
+        tp,
+        on_bytes_read=lambda done, total: report(LoadProgress("loading weights", done, total)),
+    )
     mc: ModelConfig = model.config
     max_model_len = config.max_model_len_for(mc.max_position_embeddings)
     if not config.enable_chunked_prefill and config.max_num_tokens < max_model_len:

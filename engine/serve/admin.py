@@ -39,6 +39,7 @@ async def state(request: Request) -> dict:
     revision = executor.model_revision
     return {
         "model": ctx.model_name,
+        "phase": "serving",  # "loading" (with the progress) while the engine starts: serve/loading.py
         "model_path": revision.path if revision is not None else ctx.model_path,
         "model_revision": asdict(revision) if revision is not None else None,
         "max_model_len": ctx.max_model_len,

@@ -11,6 +11,7 @@ from berth.engine.serve.auth import Authentication
 from berth.engine.serve.body_limit import BodyLimit
 from berth.engine.serve.context import ServingContext
 from berth.engine.serve.errors import install_error_handlers
+from berth.engine.serve.loading import LoadingGate
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
@@ -25,7 +26,9 @@ def build_app(ctx: ServingContext) -> FastAPI:
     install_error_handlers(app)
     for room in (models, completions, chat, health, admin):
         app.include_router(room.router)
-    # The last added runs first: who is asking, then how much they send, then the routes.
+    # The last added runs first: who is asking, then how much they send, then (while the engine
+    # loads) the loading gate, then the routes.
+    app.add_middleware(LoadingGate, ctx=ctx)
     app.add_middleware(BodyLimit, max_bytes=ctx.max_request_body_bytes)
     app.add_middleware(Authentication, api_key=ctx.api_key, admin_token=ctx.admin_token)
     app.openapi = lambda: _openapi(app)

@@ -299,49 +299,34 @@ def _serve(
     command: str,
     exit_when_dead_after: float | None,
 ) -> int:
-    from berth.engine import LLM
     from berth.engine.serve.health import fatal_error_of
 
     _quiet_metrics()
-    executor = {"executor": args.executor} if args.executor else {}
+    # The server answers from now on (probes, /admin/state with the load's progress); the
+    # engine loads on a thread meanwhile, and "listening on" is said once it serves.
+    ctx = _loading_context(args)
+    loader = EngineLoader(args, options, world, ctx, endpoint, url, command)
+    loader.start()
+    dead = DeathWatch(loader, exit_when_dead_after)
+    answering = f"{command}: answering probes on {url} while the engine loads"
     try:
-        llm = LLM(
-            args.model,
-            **executor,
-            world=world,
-            num_postprocess_workers=args.num_postprocess_workers or 0,
-            **options,
-        )
-    except (ValueError, OSError, RuntimeError) as error:
-        if endpoint is not None:
-            endpoint.close()
-        return _fail(f"cannot start the engine: {error}", command)
-    dead = DeathWatch(llm.executor, exit_when_dead_after)
-    try:
-        ctx = _context(args, llm, args.served_model_name)
-        if ctx.limits.kv_cache is not None:
-            print(f"{command}: {ctx.limits.kv_cache.describe()}", flush=True)
-        caching = "on" if llm.config.enable_prefix_caching else "off"
-        ranks = llm.config.tensor_parallel_size
-        world_size = f", {ranks} tensor-parallel ranks" if ranks > 1 else ""
-        print(
-            f"{command}: loaded {ctx.model_path} as {ctx.model_name!r} (executor "
-            f"{args.executor or 'default'}{world_size}, engine pid {llm.executor.engine_pid}, max_model_len "
-            f"{ctx.max_model_len}, max_batch_size {ctx.limits.max_batch_size}, KV blocks "
-            f"{ctx.limits.num_kv_blocks}, prefix caching {caching}, postprocess workers "
-            f"{args.num_postprocess_workers or 0})",
-            flush=True,
-        )
-        if endpoint is not None:
-            endpoint.start(llm.executor, ctx.model_name)
-            print(f"{command}: frontends attach at {endpoint.address}", flush=True)
         _serve_app(
-            args, ctx, sock, url, command, dead.long_enough if exit_when_dead_after is not None else None
+            args,
+            ctx,
+            sock,
+            url,
+            command,
+            stop_when=lambda: loader.failed or dead.long_enough(),
+            on_started=lambda: print(answering, flush=True),
         )
     finally:
-        llm.shutdown()  # aborts whatever the grace period left running (the frontends' too)
+        llm = loader.finish()  # waits for a load still under way: it cannot be interrupted
+        if llm is not None:
+            llm.shutdown()  # aborts whatever the grace period left running (the frontends' too)
         if endpoint is not None:
             endpoint.close()  # after: the frontends' aborted requests are answered first
+    if loader.error is not None:
+        return _fail(f"cannot start the engine: {loader.error}", command)
     if dead.long_enough():
         print(f"{command}: the engine died: {fatal_error_of(llm.executor)}", file=sys.stderr, flush=True)
         return 1
@@ -349,12 +334,83 @@ def _serve(
     return 0
 
 
+class EngineLoader:
+    """Starts the engine on a thread of its own while the server already answers; once it is
+    up, the server's context serves it (and frontends may attach)."""
+
+    def __init__(self, args, options: dict, world, ctx, endpoint, url: str, command: str) -> None:
+        self._args, self._options, self._world = args, options, world
+        self._ctx, self._endpoint, self._url, self._command = ctx, endpoint, url, command
+        self.llm = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._load, name="berth-engine-load", daemon=True)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def executor(self):
+        return self.llm.executor if self.llm is not None else None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self):
+        """The engine (None if it never started), once the load is over."""
+        self._thread.join()
+        return self.llm
+
+    def _load(self) -> None:
+        from berth.engine import LLM
+
+        args, command = self._args, self._command
+        executor = {"executor": args.executor} if args.executor else {}
+        try:
+            llm = LLM(
+                args.model,
+                **executor,
+                world=self._world,
+                num_postprocess_workers=args.num_postprocess_workers or 0,
+                on_progress=self._ctx.loading.update,
+                **self._options,
+            )
+        except (ValueError, OSError, RuntimeError) as error:
+            self.error = error
+            return
+        except BaseException as error:  # a bug: still said, and the server stops
+            logging.getLogger(__name__).exception("the engine failed to start")
+            self.error = error
+            return
+        self.llm = llm
+        ctx = self._ctx
+        limits = llm.limits
+        if limits.kv_cache is not None:
+            print(f"{command}: {limits.kv_cache.describe()}", flush=True)
+        caching = "on" if llm.config.enable_prefix_caching else "off"
+        ranks = llm.config.tensor_parallel_size
+        world_size = f", {ranks} tensor-parallel ranks" if ranks > 1 else ""
+        print(
+            f"{command}: loaded {ctx.model_path} as {ctx.model_name!r} (executor "
+            f"{args.executor or 'default'}{world_size}, engine pid {llm.executor.engine_pid}, max_model_len "
+            f"{limits.max_model_len}, max_batch_size {limits.max_batch_size}, KV blocks "
+            f"{limits.num_kv_blocks}, prefix caching {caching}, postprocess workers "
+            f"{args.num_postprocess_workers or 0}, loaded in {ctx.loading.describe()['seconds']:g} s)",
+            flush=True,
+        )
+        ctx.llm = llm  # from here on the loading gate lets everything through
+        if self._endpoint is not None:
+            self._endpoint.start(llm.executor, ctx.model_name)
+            print(f"{command}: frontends attach at {self._endpoint.address}", flush=True)
+        print(f"{command}: listening on {self._url}", flush=True)
+
+
 class DeathWatch:
     """Whether the engine has been dead for `seconds` (so that /health answered 503 with the
     error meanwhile, for whoever polls it), checked from the server's loop."""
 
-    def __init__(self, executor, seconds: float | None) -> None:
-        self._executor = executor
+    def __init__(self, source, seconds: float | None) -> None:
+        self._source = source  # has `.executor`: None until the engine is up
         self._seconds = seconds
         self._dead_since: float | None = None
 
@@ -362,7 +418,8 @@ class DeathWatch:
         if self._seconds is None:
             return False
         if self._dead_since is None:
-            if not self._executor.is_dead:
+            executor = self._source.executor
+            if executor is None or not executor.is_dead:
                 return False
             self._dead_since = time.monotonic()
         return time.monotonic() - self._dead_since >= self._seconds
@@ -374,6 +431,25 @@ def _quiet_metrics() -> None:
     # No `*_created` timestamp series next to every counter and histogram (as vLLM does): this
     # process serves one model, and the series only double the exposition.
     prometheus_client.disable_created_metrics()
+
+
+def _loading_context(args: argparse.Namespace):
+    """The server's context before the engine exists: the loading gate answers for it."""
+    from berth.engine.serve import ServingContext
+    from berth.engine.serve.loading import Loading
+    from berth.engine.serve.metrics import ServerMetrics
+
+    name = args.served_model_name or str(args.model)
+    return ServingContext(
+        llm=None,
+        model_name=name,
+        model_path=str(args.model),
+        metrics=ServerMetrics(name),
+        api_key=args.api_key or os.environ.get("BERTH_API_KEY") or None,
+        admin_token=args.admin_token or os.environ.get("BERTH_ADMIN_TOKEN") or None,
+        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        loading=Loading(),
+    )
 
 
 def _context(args: argparse.Namespace, llm, model_name: str | None):
@@ -389,7 +465,13 @@ def _context(args: argparse.Namespace, llm, model_name: str | None):
 
 
 def _serve_app(
-    args: argparse.Namespace, ctx, sock, url: str, command: str = "berth serve", stop_when=None
+    args: argparse.Namespace,
+    ctx,
+    sock,
+    url: str,
+    command: str = "berth serve",
+    stop_when=None,
+    on_started=None,
 ) -> None:
     from berth.engine.serve import build_app
     from berth.engine.serve.server import serve
@@ -398,7 +480,7 @@ def _serve_app(
         build_app(ctx),
         sock,
         on_signal=lambda: setattr(ctx, "draining", True),
-        on_started=lambda: print(f"{command}: listening on {url}", flush=True),
+        on_started=on_started or (lambda: print(f"{command}: listening on {url}", flush=True)),
         is_idle=lambda: ctx.idle,
         on_timeout=ctx.abort_all,
         shutdown_timeout=args.shutdown_timeout,

@@ -10,6 +10,7 @@ from fastapi import Request
 from berth.engine.engine_io import EngineLimits
 from berth.engine.serve.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from berth.engine.serve.errors import APIError, unavailable
+from berth.engine.serve.loading import Loading
 from berth.engine.serve.metrics import ServerMetrics
 
 
@@ -26,6 +27,8 @@ class ServingContext:
     # The engine requests in flight, by the task that reads each to its end (even after its
     # HTTP request is gone). asyncio holds tasks weakly: they are kept here until done.
     in_flight: dict[asyncio.Task, object] = field(default_factory=dict)
+    # While the engine loads (`llm` is None until then): its progress, for the loading gate.
+    loading: Loading | None = None
 
     @classmethod
     def for_llm(cls, llm, model_name: str | None = None, **options) -> ServingContext:

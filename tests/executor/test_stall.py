@@ -124,3 +124,35 @@ def test_stall_timeouts_are_checked_and_the_first_step_gets_longer():
     for bad in ({"stall_timeout": 0}, {"stall_timeout": True}, {"first_step_timeout": -1}):
         with pytest.raises(ValueError, match="must be a positive number of seconds"):
             EngineConfig(model="m", **bad)
+
+
+@pytest.mark.parametrize("executor", ["proxy", "in-process"])
+def test_a_load_reports_its_progress_and_checks_the_model_before_it_serves(tiny_model, executor):
+    seen: list = []
+    with LLM(tiny_model, executor=executor, kv_cache_blocks=64, on_progress=seen.append) as llm:
+        steps = [progress.step for progress in seen]
+        (output,) = llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+        assert output.outputs[0].token_ids
+    # Weights first (bytes read, up to all of them), then the profiled step, then one token.
+    first = steps.index("loading weights")
+    assert steps[first:] == ["loading weights"] * (len(steps) - first - 2) + [
+        "sizing the KV cache",
+        "checking the model",
+    ]
+    weights = [progress for progress in seen if progress.step == "loading weights"]
+    assert weights[-1].done == weights[-1].total > 0 and weights[-1].fraction == 1.0
+
+
+def test_weights_that_give_no_finite_logits_never_serve(tiny_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(tiny_model, poisoned)
+    weights = load_file(poisoned / "model.safetensors")
+    name = next(key for key in weights if key.endswith("self_attn.o_proj.weight"))
+    weights[name][:, 0] = float("inf")
+    save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="failed its check after loading: the model's logits are not fin"):
+        LLM(poisoned, executor="in-process", kv_cache_blocks=64)

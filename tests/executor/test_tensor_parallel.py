@@ -57,9 +57,10 @@ def test_greedy_tokens_of_a_world_equal_one_rank_and_transformers(checkpoint, si
     assert [output.outputs[0].token_ids for output in outputs] == expected
     assert stats.num_preemptions >= 1, "the workload was meant to force a preemption"
     # One all-reduce per row-parallel projection (2 a layer) and one for the embedding, a step,
-    # counting the step every rank profiles at start to size its KV pool.
+    # counting the step every rank profiles at start to size its KV pool and the one-token check
+    # after the load.
     layers = ModelConfig.from_pretrained(path).num_layers
-    assert stats.num_all_reduces == (stats.num_steps + 1) * (2 * layers + 1)
+    assert stats.num_all_reduces == (stats.num_steps + 2) * (2 * layers + 1)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, expected):
         theirs, hf_logprobs = hf_greedy(hf_model, prompt, MAX_NEW)

@@ -10,14 +10,17 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.server_process import ENGINE_ARGS, ServerProcess
-from tests.support.engine_processes import pid_alive, wait_until
+from tests.support.engine_processes import WORKER_MODULE, pid_alive, wait_until
 
 DETECTION_BOUND_S = 10  # the executor's: a dead worker is noticed by an event or a polling backstop
 
@@ -151,3 +154,64 @@ def test_a_stopped_engine_is_reported_stalled_and_stays_dead(tiny_model):
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine_pid, signal.SIGCONT)
         server.stop()
+
+
+def test_the_server_answers_while_the_engine_loads(tiny_model):
+    """The server listens before the engine is up: a load held still (its worker stopped with
+    SIGSTOP the moment it exists) is alive and says how far it has come; once it goes on, the
+    same server becomes ready and serves."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "berth", "serve", str(tiny_model), "--host", "127.0.0.1", "--port", "0",
+         *ENGINE_ARGS, "--admin-token", "tok"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    worker = None
+    try:
+        url = None
+        for line in process.stdout:
+            if "answering probes on" in line:
+                url = line.split("answering probes on ")[1].split()[0]
+                break
+        assert url is not None, "the server never said it answers while loading"
+
+        def loading_worker() -> int | None:
+            children = psutil.Process(process.pid).children(recursive=True)
+            return next((c.pid for c in children if WORKER_MODULE in " ".join(c.cmdline())), None)
+
+        assert wait_until(lambda: loading_worker() is not None, 30, interval=0.005)
+        worker = loading_worker()
+        os.kill(worker, signal.SIGSTOP)  # the load holds still for as long as the test looks
+
+        admin = {"Authorization": "Bearer tok"}
+        assert httpx.get(url + "/live", timeout=5).status_code == 200
+        health = httpx.get(url + "/health", timeout=5)
+        assert health.status_code == 200 and health.json()["status"] == "loading", health.text
+        ready = httpx.get(url + "/ready", timeout=5)
+        assert ready.status_code == 503
+        progress = ready.json()["loading"]
+        assert ready.json()["admission"] == "loading"
+        assert progress["step"] in ("starting the engine", "loading weights", "sizing the KV cache"), progress
+        state = httpx.get(url + "/admin/state", headers=admin, timeout=5).json()
+        assert state["phase"] == "loading" and state["loading"]["seconds"] >= 0
+        assert httpx.get(url + "/admin/state", timeout=5).status_code == 401  # the token, as always
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=5)
+        assert refused.status_code == 503 and int(refused.headers["Retry-After"]) > 0
+        assert refused.json()["error"]["code"] == "engine_loading"
+        asleep = httpx.post(url + "/admin/sleep", json={}, headers=admin, timeout=5)
+        assert asleep.status_code == 409 and asleep.json()["error"]["code"] == "conflict"
+
+        os.kill(worker, signal.SIGCONT)
+        assert wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 60, interval=0.1)
+        answer = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert httpx.get(url + "/admin/state", headers=admin, timeout=5).json()["engine_pid"] == worker
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
