@@ -386,23 +386,29 @@ class EngineLoader:
         ctx = self._ctx
         limits = llm.limits
         if limits.kv_cache is not None:
-            print(f"{command}: {limits.kv_cache.describe()}", flush=True)
+            _say(f"{command}: {limits.kv_cache.describe()}")
         caching = "on" if llm.config.enable_prefix_caching else "off"
         ranks = llm.config.tensor_parallel_size
         world_size = f", {ranks} tensor-parallel ranks" if ranks > 1 else ""
-        print(
+        _say(
             f"{command}: loaded {ctx.model_path} as {ctx.model_name!r} (executor "
             f"{args.executor or 'default'}{world_size}, engine pid {llm.executor.engine_pid}, max_model_len "
             f"{limits.max_model_len}, max_batch_size {limits.max_batch_size}, KV blocks "
             f"{limits.num_kv_blocks}, prefix caching {caching}, postprocess workers "
-            f"{args.num_postprocess_workers or 0}, loaded in {ctx.loading.describe()['seconds']:g} s)",
-            flush=True,
+            f"{args.num_postprocess_workers or 0}, loaded in {ctx.loading.describe()['seconds']:g} s)"
         )
         ctx.llm = llm  # from here on the loading gate lets everything through
         if self._endpoint is not None:
             self._endpoint.start(llm.executor, ctx.model_name)
-            print(f"{command}: frontends attach at {self._endpoint.address}", flush=True)
-        print(f"{command}: listening on {self._url}", flush=True)
+            _say(f"{command}: frontends attach at {self._endpoint.address}")
+        _say(f"{command}: listening on {self._url}")
+
+
+def _say(line: str) -> None:
+    """One line on stdout in one write: this runs beside threads that log (a print writes its
+    text and its newline apart, and a log line could land between them)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 class DeathWatch:
