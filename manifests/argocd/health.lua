@@ -3,7 +3,8 @@
 -- (each condition's observedGeneration) have seen the current generation. Progressing: a new
 -- spec not reconciled or not judged yet, worlds starting, restarting, parking or waking, a
 -- scale-down draining. Suspended: every engine sleeps because spec.sleep says so (as Argo CD
--- shows a stopped KServe service); asleep on a schedule is Healthy, saying when it wakes.
+-- shows a stopped KServe service); asleep on a schedule is Healthy, saying when it wakes. A
+-- rollout under way is Progressing (Degraded once it stopped on a world that failed it).
 -- Degraded: a world used up its restarts (the message carries the engine's own error) or the
 -- operator refused the spec (observedGeneration is set then).
 local hs = { status = "Progressing", message = "Waiting for the berth operator" }
@@ -47,6 +48,27 @@ local degraded = condition("Degraded")
 if degraded ~= nil and degraded.status == "True" then
   hs.status = "Degraded"
   hs.message = degraded.message or degraded.reason or "Degraded"
+  return hs
+end
+
+-- A rollout (status.rollout, without complete while under way) is the spec not yet converged,
+-- even while every world is ready (between two worlds): never Healthy until it is done.
+local rollout = obj.status.rollout
+if rollout ~= nil and rollout.target ~= nil and rollout.complete ~= true then
+  if rollout.failed ~= nil then
+    hs.status = "Degraded"
+    hs.message = "rollout to " .. tostring(rollout.target) .. " stopped: " .. tostring(rollout.failed.message)
+    return hs
+  end
+  local done = 0
+  if rollout.done ~= nil then
+    done = #rollout.done
+  end
+  hs.message = "rolling out " .. tostring(rollout.target) .. ": " .. tostring(done) .. " world(s) done"
+  local progressing = condition("Progressing")
+  if progressing ~= nil and progressing.status == "True" and progressing.message ~= nil then
+    hs.message = hs.message .. "; " .. progressing.message
+  end
   return hs
 end
 

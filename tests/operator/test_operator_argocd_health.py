@@ -84,6 +84,20 @@ def test_asleep_on_schedule_is_healthy_and_says_when_it_wakes() -> None:
     assert health(cr(Ready=NOT_READY, Sleeping=parking, Degraded=NOT_DEGRADED))["status"] == "Progressing"
 
 
+def test_a_rollout_under_way_is_progressing_even_with_every_world_ready() -> None:
+    obj = cr(Ready=READY, Degraded=NOT_DEGRADED, Sleeping=AWAKE)
+    obj["status"]["rollout"] = {"target": "06c4", "done": [0], "inFlight": []}  # between two worlds
+    assert health(obj) == {"status": "Progressing", "message": "rolling out 06c4: 1 world(s) done"}
+    stopped = {"world": 1, "message": "world 1 did not become Ready on the new spec"}
+    obj["status"]["rollout"]["failed"] = stopped
+    assert health(obj) == {
+        "status": "Degraded",
+        "message": "rollout to 06c4 stopped: world 1 did not become Ready on the new spec",
+    }
+    obj["status"]["rollout"] = {"target": "06c4", "done": [0, 1], "inFlight": [], "complete": True}
+    assert health(obj)["status"] == "Healthy"
+
+
 def test_degraded_wins_over_sleeping() -> None:
     failed = ("True", "RestartBudgetExhausted", "boom")
     assert health(cr(Sleeping=("True", "EnginesParked", "x"), Degraded=failed))["status"] == "Degraded"

@@ -190,11 +190,22 @@ async def test_a_rolling_change_drains_one_world_at_a_time_and_fails_no_request(
                 "the rollout under way",
             )
             assert "complete" not in under_way, under_way  # the last rollout's word went with it
-            await wait_for(lambda: rollout_complete(cluster), ROLLOUT_TIMEOUT, "the rollout complete")
+            healths: list[tuple[str, bool]] = []
+
+            def judged() -> bool:  # what Argo CD says at each poll, until the rollout completes
+                current = llmd(cluster)
+                complete = bool(((current.get("status") or {}).get("rollout") or {}).get("complete"))
+                healths.append((argocd_health(current)["status"], complete))
+                return rollout_complete(cluster)
+
+            await wait_for(judged, ROLLOUT_TIMEOUT, "the rollout complete")
             await wait_for(lambda: tally["ok"] >= 5 + 10, 30, "answers after the rollout")
         assert argocd_health(llmd(cluster))["status"] == "Healthy"
 
     assert tally["failed"] == [], tally
+    # Never Healthy before the rollout completed, even while both worlds were ready between two.
+    assert [h for h, complete in healths if not complete and h == "Healthy"] == [], healths
+    assert ("Progressing", False) in healths
     # At most one world out of service at any time, and the rollout took both in turn.
     assert all(ready.count(False) <= 1 for ready in seen if len(ready) == 2), [
         r for r in seen if r.count(False) > 1

@@ -162,6 +162,7 @@ async def test_a_stalled_engine_restarts_the_world_with_reason_stalled(
 
     restarted = world(cluster)
     assert restarted["lastRestartReason"] == "Stalled", restarted
+    assert [record["reason"] for record in restarted["recentRestarts"]] == ["Stalled"]  # in its history
     assert restarted["lastEngineError"].startswith("EngineStalledError: stalled: no step completed in 2 s")
     assert f"rank 0 (pid {pid}) is stopped (SIGSTOP)" in restarted["lastEngineError"]
     expected_event = f"world 0 restarted (Stalled): {restarted['lastEngineError']}"
