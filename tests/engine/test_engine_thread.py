@@ -22,9 +22,9 @@ class ThreadRecordingExecutor(PyExecutor):
     stepped_on: set[int]
 
     @classmethod
-    def from_config(cls, config: EngineConfig, tp=SINGLE) -> PyExecutor:
+    def from_config(cls, config: EngineConfig, tp=SINGLE, on_progress=None) -> PyExecutor:
         cls.built_on = threading.get_ident()
-        engine = super().from_config(config, tp)
+        engine = super().from_config(config, tp, on_progress)
         engine.stepped_on = set()
         return engine
 
