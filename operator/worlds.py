@@ -44,7 +44,7 @@ PERSISTENT = (
 
 @dataclass(frozen=True)
 class Failure:
-    # EngineDead, Stalled, LauncherFailed, LauncherExited, LauncherGone, WorkerFailed,
+    # EngineDead, Stalled, OOMKilled, LauncherFailed, LauncherExited, LauncherGone, WorkerFailed,
     # WorkerRestarted, Unreachable
     reason: str
     error: str
@@ -104,6 +104,22 @@ def _termination_text(pod: Mapping[str, Any]) -> str:
     return status.get("message") or status.get("reason") or "pod failed"
 
 
+def _termination_reason(pod: Mapping[str, Any]) -> str | None:
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if terminated.get("reason"):
+            return terminated["reason"]
+    return None
+
+
+def _pod_failure(reason: str, which: str, pod: Mapping[str, Any]) -> Failure:
+    """A failed pod's Failure; one the kernel's OOM killer ended is `OOMKilled` (the fix is
+    memory: limits, the KV cache's size, not code)."""
+    if _termination_reason(pod) == "OOMKilled":
+        reason = "OOMKilled"
+    return Failure(reason, f"{which}: {_termination_text(pod)}", _node(pod))
+
+
 def _node(pod: Mapping[str, Any] | None) -> str | None:
     return ((pod or {}).get("spec") or {}).get("nodeName")
 
@@ -137,9 +153,7 @@ def view_pods(
     failure: Failure | None = None
 
     if launcher is not None and _phase(launcher) == "Failed":
-        failure = Failure(
-            "LauncherFailed", f"launcher pod {launcher_name}: {_termination_text(launcher)}", _node(launcher)
-        )
+        failure = _pod_failure("LauncherFailed", f"launcher pod {launcher_name}", launcher)
     elif launcher is not None and _phase(launcher) == "Succeeded":
         # A launcher serves until it is stopped: one that ended on its own (even with exit code 0)
         # has ended its world, and nothing else would ever restart it (restartPolicy Never).
@@ -150,9 +164,8 @@ def view_pods(
         )
     for pod in workers:
         if failure is None and _phase(pod) in ("Failed", "Succeeded"):
-            failure = Failure(
-                "WorkerFailed", f"worker pod {pod['metadata']['name']}: {_termination_text(pod)}", _node(pod)
-            )
+            failure = _pod_failure("WorkerFailed", f"worker pod {pod['metadata']['name']}", pod)
+
     if failure is None and members:
         by_name = {pod["metadata"]["name"]: pod for pod in current}
         for name, identity in sorted(members.items()):
