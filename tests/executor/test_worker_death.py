@@ -5,6 +5,7 @@ worker process is left behind."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -16,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import zmq
 from safetensors.torch import load_file, save_file
 
@@ -279,10 +279,17 @@ def test_a_worker_killed_while_loading_is_noticed_at_once(tiny_model):
 
 
 def nan_checkpoint(source: Path, target: Path) -> Path:
-    """The model with NaN final-norm weights: every logit of every sequence is NaN."""
+    """The model with NaN input embeddings for every token but 0: it passes the engine's one-token
+    check after loading (token 0), and every logit of every real prompt is NaN. The head gets a
+    copy of its own (untied), so that its rows stay finite."""
     shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (target / "config.json").write_text(json.dumps(config))
     weights = load_file(target / "model.safetensors")
-    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
+    embedding = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embedding.clone()
+    embedding[1:] = float("nan")
     save_file(weights, target / "model.safetensors")
     return target
 
