@@ -40,19 +40,17 @@ class StallWatchdog:
         self.first_step_timeout = first_step_timeout
         self._detail = detail
         self._on_stall = on_stall
-        self._stop = threading.Event()
         self._interval = min(0.5, stall_timeout / 10)
         self._thread = threading.Thread(target=self._watch, name="berth-stall-watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-
     def _watch(self) -> None:
+        """Until the engine is dead or shut down (then there is nothing left to watch)."""
         busy_since: float | None = None
-        while not self._stop.wait(self._interval):
+        while True:
+            time.sleep(self._interval)
             executor = self._executor
             if executor.is_dead or executor.is_closed:
                 return

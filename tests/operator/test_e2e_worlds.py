@@ -220,6 +220,54 @@ async def test_kill_9_of_a_rank_in_a_worker_pod_restarts_the_whole_world_and_its
         assert frontend()["metadata"]["uid"] == frontend_uid and len(llmd.executions("frontend")) == 1
 
 
+async def test_a_stopped_rank_in_a_worker_pod_stalls_its_world_and_the_operator_restarts_it(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP of the rank in worker pod 1 while the world has a request: alive, silent. Rank 0's
+    next collective times out (half the stall timeout), the launcher's /health says "stalled",
+    and the operator restarts the whole world with reason Stalled, kept in its history."""
+    manifest = e2e.tiny_cpu_example(
+        models, tensorParallelSize=2, health=HEALTH, engineArgs=["--stall-timeout", "4"]
+    )
+    launcher = naming.launcher_pod_name("tiny", 0)
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+        await llmd.wait(lambda: llmd.world().get("phase") == "Ready", START_TIMEOUT, "the world Ready")
+        launcher_url = f"http://{llmd.pod_status(launcher)['podIP']}:{naming.ENGINE_PORT}"
+        (rank,) = [
+            pid
+            for pid in kubelet.processes("tiny-w0-1")
+            if "berth.engine.executor.worker" in " ".join(psutil.Process(pid).cmdline())
+        ]
+        body = {
+            "model": manifest["spec"]["model"]["path"],
+            "prompt": "hi",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        url = f"{launcher_url}/v1/completions"
+        try:
+            async with httpx.AsyncClient(timeout=60) as http, http.stream("POST", url, json=body) as reply:
+                assert reply.status_code == 200
+                lines = []
+                async for line in reply.aiter_lines():
+                    if not lines:
+                        os.kill(rank, signal.SIGSTOP)  # the world is stepping
+                    lines.append(line)
+            assert "stalled" in "".join(lines), lines[-3:]  # the stream ends with the reason
+            await llmd.wait(lambda: llmd.world().get("restarts") == 1, 60, "the world restarted")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGCONT)
+        await llmd.wait(lambda: llmd.world().get("phase") == "Ready", START_TIMEOUT, "the world Ready again")
+        world = llmd.world()
+        assert world["lastRestartReason"] == "Stalled", world
+        assert world["lastEngineError"].startswith("EngineStalledError: stalled: a collective waited 2 s")
+        assert [record["reason"] for record in world["recentRestarts"]] == ["Stalled"]
+        (restarted,) = llmd.events("WorldRestarted")
+        assert restarted.startswith("world 0 restarted (Stalled): EngineStalledError: stalled"), restarted
+
+
 async def test_every_command_the_renderer_emits_runs_and_becomes_ready(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
