@@ -102,11 +102,17 @@ def test_pods_running_or_waiting() -> None:
 def test_pod_failures() -> None:
     terminated = {"terminated": {"exitCode": 137, "reason": "OOMKilled", "message": "out of memory"}}
     failed_launcher = pod("d-w0-launcher", "L1", phase="Failed", role="launcher", state=terminated)
+    failed_launcher["spec"] = {"nodeName": "cpu-node-1"}
+    # The kernel's OOM killer is its own reason (the fix is memory, not code), with the node.
     assert view(launcher=failed_launcher).failure == worlds.Failure(
-        "LauncherFailed",
+        "OOMKilled",
         "launcher pod d-w0-launcher: container launcher exited with code 137 (OOMKilled): out of memory",
+        "cpu-node-1",
     )
-    failed_worker = view(workers=[WORKERS[0], pod("d-w0-1", "W1", phase="Failed")])
+    oom_worker = view(workers=[WORKERS[0], pod("d-w0-1", "W1", phase="Failed", state=terminated)])
+    assert oom_worker.failure is not None and oom_worker.failure.reason == "OOMKilled"
+    crashed = {"terminated": {"exitCode": 134, "reason": "Error", "message": "CUDA error"}}
+    failed_worker = view(workers=[WORKERS[0], pod("d-w0-1", "W1", phase="Failed", state=crashed)])
     assert failed_worker.failure is not None and failed_worker.failure.reason == "WorkerFailed"
     members = view().snapshot
     replaced = view(workers=[WORKERS[0], pod("d-w0-1", "W1-new")], members=members)
