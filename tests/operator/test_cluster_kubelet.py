@@ -247,9 +247,15 @@ async def test_probes_drive_ready_and_kill(cluster: Cluster, kubelet: Kubelet, t
     await wait_for(lambda: not is_ready(cluster, "probed"), 60, "probed not Ready once /cues/ready is gone")
     assert status(cluster, "probed").get("phase") == "Running"
     (cues / "alive").unlink()
-    await wait_for(
-        lambda: status(cluster, "probed").get("phase") == "Failed", 60, "killed by its liveness probe"
-    )
+    try:
+        await wait_for(
+            lambda: status(cluster, "probed").get("phase") == "Failed", 60, "killed by its liveness probe"
+        )
+    except AssertionError as error:  # this has failed now and then: say what the kubelet knew
+        runs = [(e.pod, e.exit_code, e.killed_by) for e in kubelet.executions]
+        raise AssertionError(
+            f"{error}; status {status(cluster, 'probed')}; executions {runs}; problems {kubelet.problems}"
+        ) from None
     assert container_state(cluster, "probed")["state"]["terminated"]["exitCode"] == 137
     assert [e.killed_by for e in kubelet.executions if e.pod == "probed"] == ["liveness probe"]
     await wait_for(

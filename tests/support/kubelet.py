@@ -35,6 +35,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -77,6 +78,7 @@ SUPPORTED_VOLUMES = ("secret", "configMap", "emptyDir", "hostPath")
 # What an API call may end in while the test's event loop (which serves the emulator) is busy
 # or gone: the next round tries again.
 API_ERRORS = (aiohttp.ClientError, TimeoutError)
+logger = logging.getLogger(__name__)
 
 
 class Kubelet:
@@ -449,25 +451,34 @@ class Kubelet:
     async def _report_status(self, runtime: PodRuntime) -> None:
         last: str | None = None
         while True:
-            status = self._pod_status(runtime)
-            # Transition times are stamped when something else changed, not every round.
-            comparable = json.dumps(
-                {
-                    **status,
-                    "conditions": [
-                        {k: v for k, v in c.items() if k != "lastTransitionTime"}
-                        for c in status["conditions"]
-                    ],
-                },
-                sort_keys=True,
-            )
-            if comparable != last and not runtime.removed.is_set():
-                try:
-                    await self._api("PATCH", self._pod_path(runtime, "/status"), {"status": status})
-                    last = comparable
-                except API_ERRORS:
-                    pass
+            try:
+                last = await self._report_once(runtime, last)
+            except Exception:
+                # One failed report must not freeze the pod's status for good (its phase would
+                # say Running after its container died): the next round reports again.
+                logger.exception("reporting the status of pod %s/%s failed", runtime.namespace, runtime.name)
             await asyncio.sleep(self.poll_interval)
+
+    async def _report_once(self, runtime: PodRuntime, last: str | None) -> str | None:
+        """Patches the pod's status if it changed; returns what was last reported."""
+        status = self._pod_status(runtime)
+        # Transition times are stamped when something else changed, not every round.
+        comparable = json.dumps(
+            {
+                **status,
+                "conditions": [
+                    {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status["conditions"]
+                ],
+            },
+            sort_keys=True,
+        )
+        if comparable != last and not runtime.removed.is_set():
+            try:
+                await self._api("PATCH", self._pod_path(runtime, "/status"), {"status": status})
+                return comparable
+            except API_ERRORS:
+                pass
+        return last
 
     # --- containers --------------------------------------------------------------------------
 
