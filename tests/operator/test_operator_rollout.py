@@ -27,7 +27,7 @@ from berth.engine.models.tiny_model import make_tiny_model
 from berth.operator import naming, render
 from berth.operator.crd_model import parse_spec
 from tests.support.argocd_health import argocd_health
-from tests.support.cluster import Cluster, ClusterSim, wait_for
+from tests.support.cluster import Cluster, ClusterSim, sampling, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineEndpoint, EngineFleet
 from tests.support.operator_runner import running_operator
 
@@ -81,19 +81,12 @@ async def recorded_statuses(cluster: Cluster) -> AsyncIterator[list[list[bool]]]
     """Every 20 ms, which worlds the status says are ready."""
     seen: list[list[bool]] = []
 
-    async def sample() -> None:
-        while True:
-            worlds = [w for w in status(cluster).get("worlds") or [] if w.get("phase") != "Retiring"]
-            seen.append([bool(w.get("ready")) for w in worlds])
-            await asyncio.sleep(0.02)
+    def sample() -> None:
+        worlds = [w for w in status(cluster).get("worlds") or [] if w.get("phase") != "Retiring"]
+        seen.append([bool(w.get("ready")) for w in worlds])
 
-    task = asyncio.create_task(sample())
-    try:
+    async with sampling(sample, 0.02):
         yield seen
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def ready_endpoints(fleet: EngineFleet) -> list[EngineEndpoint]:

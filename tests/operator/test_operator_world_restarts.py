@@ -19,7 +19,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 from berth.operator.restarts import parse_time
-from tests.support.cluster import Cluster, ClusterSim, wait_for
+from tests.support.cluster import Cluster, ClusterSim, sampling, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
 from tests.support.operator_runner import running_operator
 
@@ -82,20 +82,13 @@ async def phase_recorder(cluster: Cluster) -> AsyncIterator[list[str]]:
     """Every world phase seen, sampled every 50 ms, without repeats."""
     seen: list[str] = []
 
-    async def sample() -> None:
-        while True:
-            phase = world(cluster).get("phase")
-            if phase and (not seen or seen[-1] != phase):
-                seen.append(phase)
-            await asyncio.sleep(0.05)
+    def sample() -> None:
+        phase = world(cluster).get("phase")
+        if phase and (not seen or seen[-1] != phase):
+            seen.append(phase)
 
-    task = asyncio.create_task(sample())
-    try:
+    async with sampling(sample, 0.05):
         yield seen
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_kill_9_of_the_engine_restarts_the_whole_world(

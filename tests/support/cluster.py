@@ -76,6 +76,24 @@ async def wait_for(predicate: Callable[[], Any], timeout: float, what: str, inte
         await asyncio.sleep(interval)
 
 
+@contextlib.asynccontextmanager
+async def sampling(sample: Callable[[], None], interval: float) -> AsyncIterator[None]:
+    """Calls `sample()` every `interval` seconds for as long as the block runs."""
+
+    async def loop() -> None:
+        while True:
+            sample()
+            await asyncio.sleep(interval)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def resource_path(
     resource: Any, namespace: str | None, name: str | None = None, sub: str | None = None
 ) -> str:
