@@ -253,8 +253,12 @@ async def test_probes_drive_ready_and_kill(cluster: Cluster, kubelet: Kubelet, t
         )
     except AssertionError as error:  # this has failed now and then: say what the kubelet knew
         runs = [(e.pod, e.exit_code, e.killed_by) for e in kubelet.executions]
+        container = kubelet.runtime("probed").containers[0]
+        process = container.process
         raise AssertionError(
-            f"{error}; status {status(cluster, 'probed')}; executions {runs}; problems {kubelet.problems}"
+            f"{error}; status {status(cluster, 'probed')}; executions {runs}; problems {kubelet.problems}; "
+            f"kill reason {container.kill_reason}; main process {process and process.pid} returncode "
+            f"{process and process.returncode}; at {time.monotonic():.2f} probes {list(container.probe_log)}"
         ) from None
     assert container_state(cluster, "probed")["state"]["terminated"]["exitCode"] == 137
     assert [e.killed_by for e in kubelet.executions if e.pod == "probed"] == ["liveness probe"]

@@ -745,8 +745,9 @@ class Kubelet:
                 error = probes.exception()
                 self.problems.append(f"pod {runtime.namespace}/{runtime.name}: probes failed: {error!r}")
             probes.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await probes
+            _, running = await asyncio.wait([probes], timeout=10)
+            if running:
+                self.problems.append(f"pod {runtime.namespace}/{runtime.name}: its probes outlived it")
             # The container ends with its main process: whatever it left running goes too (on a
             # node, the container's PID namespace ending kills them).
             await self._end_container(container)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -50,8 +51,12 @@ class Prober:
         success_threshold = int(probe.get("successThreshold", 1))
         await asyncio.sleep(float(probe.get("initialDelaySeconds", 0)))
         successes = failures = 0
-        while True:
+        probed = container.process
+        # The loop also ends with the process it probes: the kubelet cancels it then, but a
+        # cancellation can be lost (below), and a lost one would probe the next run forever.
+        while probed is not None and probed.returncode is None:
             ok = await self._check(runtime, container, probe)
+            container.probe_log.append((round(time.monotonic(), 2), kind, ok))
             if ok:
                 successes, failures = successes + 1, 0
             else:
@@ -73,6 +78,7 @@ class Prober:
                 self._kill_container(container, "liveness probe")
                 return False
             await asyncio.sleep(period)
+        return False
 
     def _kill_container(self, container: ContainerState, reason: str) -> None:
         container.kill_reason = reason
@@ -102,9 +108,9 @@ class Prober:
                     return 200 <= response.status < 400
             if "tcpSocket" in probe:
                 port = self._port(container, probe["tcpSocket"]["port"])
-                _, writer = await asyncio.wait_for(
-                    asyncio.open_connection(probe["tcpSocket"].get("host") or runtime.ip, port), timeout
-                )
+                host = probe["tcpSocket"].get("host") or runtime.ip
+                async with asyncio.timeout(timeout):
+                    _, writer = await asyncio.open_connection(host, port)
                 writer.close()
                 return True
             if "exec" in probe:
@@ -121,12 +127,17 @@ class Prober:
                 process = await asyncio.create_subprocess_exec(
                     *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
                 )
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation
+                # that arrives as the command ends (as one does when a liveness probe kills the
+                # container while the readiness probe's command runs), and the loop lived on.
                 try:
-                    return await asyncio.wait_for(process.wait(), timeout) == 0
+                    async with asyncio.timeout(timeout):
+                        return await process.wait() == 0
                 except TimeoutError:
                     process.kill()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(process.wait(), 5)
+                        async with asyncio.timeout(5):
+                            await process.wait()
                     return False
         except (OSError, TimeoutError, aiohttp.ClientError):
             return False

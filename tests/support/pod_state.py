@@ -4,6 +4,7 @@ go of a container's processes (a container is its mount namespace: every process
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime as dt
 import os
@@ -126,6 +127,8 @@ class ContainerState:
     process: asyncio.subprocess.Process | None = None
     execution: Execution | None = None
     kill_reason: str | None = None
+    # The last probe checks (monotonic time, kind, passed): what a flaky probe test prints.
+    probe_log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=24))
 
     @property
     def name(self) -> str:
