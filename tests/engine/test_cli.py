@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 
 
 def berth(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    # faulthandler: a native abort (seen once: "terminate called without an active exception")
+    # then shows every thread's Python stack in the failure, not just the signal.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "berth", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "berth", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def failure(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\nstdout (tail):\n{result.stdout[-3000:]}\nstderr:\n{result.stderr}"
 
 
 def test_generate_prints_text_and_tokens_per_second(tiny_model):
     result = berth("generate", str(tiny_model), "--prompt", "hello there", "--max-tokens", "8")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, failure(result)
     assert "'hello there' ->" in result.stdout
     assert re.search(r"1 prompts, \d+ tokens in [\d.]+ s: [\d.]+ tokens/s", result.stdout)
 
@@ -33,7 +41,7 @@ def test_bench_throughput_reports_both_engines_the_roofline_tpot_and_a_plot(tiny
         "--output-len", "4", "8", "--batch-size", "4", "--dtype", "bfloat16", "--tpot-requests", "1",
         "--plot", str(plot), "--plot-batch-sizes", "1", "4",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, failure(result)
     out = result.stdout
     assert "dtype bfloat16" in out
     peak = re.search(r"matmul peak \(bfloat16.*\): ([\d.]+) GFLOPS; the workload needs ([\d.]+) TFLOP", out)
@@ -52,7 +60,7 @@ def test_bench_throughput_with_a_shared_prefix_compares_caching_on_and_off(tiny_
         "bench", "throughput", str(tiny_model), "--shared-prefix-len", "64", "--num-requests", "6",
         "--input-len", "4", "8", "--output-len", "2", "4", "--batch-size", "4",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, failure(result)
     assert "a shared system prompt of 64 tokens" in result.stdout
     cached = dict(
         re.findall(r"prefix caching (on |off):.*TTFT mean .* from the cache\s+([\d.]+)%", result.stdout)
@@ -69,7 +77,7 @@ def test_bench_throughput_with_tensor_parallelism_compares_against_one_rank_and_
         "bench", "throughput", str(tiny_model), "--tensor-parallel-size", "2", "--num-requests", "4",
         "--input-len", "4", "8", "--output-len", "4", "8", "--batch-size", "4",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, failure(result)
     out = result.stdout
     one = re.search(r"^berth TP=1: .* ([\d.]+) output tok/s\s+(\d+) steps", out, re.M)
     two = re.search(
