@@ -105,6 +105,8 @@ class ModelVolume(_CamelModel):
 class ModelSpec(_CamelModel):
     path: str = Field(min_length=1)
     name: str | None = Field(default=None, min_length=1, max_length=256)
+    # A name for the weights at `path`: changing it rolls the worlds to what is there now.
+    revision: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^\S+$")
     volume: ModelVolume | None = None
 
     @model_validator(mode="after")

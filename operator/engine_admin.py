@@ -101,9 +101,13 @@ def wakeup(
     token: str | None,
     load_timeout: float,
     model: str | None = None,
+    revision: str | None = None,
 ) -> Awaitable[TransitionOutcome]:
-    """Wake the engine, with the weights it had or (`model`) another revision in place."""
-    body = {"model": model} if model else {}
+    """Wake the engine, with the weights it had or (`model`, named `revision`) the weights at
+    that path, read again, in place."""
+    body: dict[str, Any] = {"model": model} if model else {}
+    if model and revision:
+        body["revision"] = revision
     kind: Kind = "swap" if model else "wakeup"
     return _post(client, kind, address, "/admin/wakeup", token, body, load_timeout + SLACK_SECONDS)
 

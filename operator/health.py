@@ -46,6 +46,7 @@ class Probe:
     seconds: float = 0.0
     # From /admin/state (None without the admin token, or when it did not answer).
     model_revision: str | None = None  # "PATH@DIGEST"
+    model_label: str | None = None  # the name its weights were loaded under (spec.model.revision)
     sleep_level: int | None = None
 
 
@@ -76,6 +77,11 @@ def revision_text(revision: Any) -> str | None:
     return f"{revision['path']}@{str(revision.get('digest') or '')[:19]}"
 
 
+def revision_label(revision: Any) -> str | None:
+    label = revision.get("label") if isinstance(revision, Mapping) else None
+    return label if isinstance(label, str) and label else None
+
+
 async def probe(
     client: httpx.AsyncClient, address: Address, timeout: float, admin_token: str | None = None
 ) -> Probe:
@@ -100,7 +106,7 @@ async def probe(
         ready_body = _json(ready)
         admission = ready_body.get("admission") or ("running" if ready.status_code == 200 else None)
         loading = ready_body.get("loading") if isinstance(ready_body.get("loading"), dict) else None
-        revision, level = None, None
+        revision, label, level = None, None, None
         if admin_token:
             # Details only: readiness stays the engine's own /ready answer (what the kubelet sees).
             state = await client.get(
@@ -109,6 +115,7 @@ async def probe(
             if state.status_code == 200:
                 body = _json(state)
                 revision = revision_text(body.get("model_revision"))
+                label = revision_label(body.get("model_revision"))
                 level = body.get("sleep_level") if isinstance(body.get("sleep_level"), int) else None
         return Probe(
             "alive",
@@ -117,6 +124,7 @@ async def probe(
             loading=f"{loading.get('message')} ({loading.get('seconds')} s)" if loading else None,
             seconds=time.perf_counter() - started,
             model_revision=revision,
+            model_label=label,
             sleep_level=level,
         )
     except (httpx.HTTPError, httpx.InvalidURL) as exc:

@@ -365,7 +365,16 @@ def launcher_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
     ]
     if spec.served_model_name:
         command += ["--served-model-name", spec.served_model_name]
+    if spec.model.revision:
+        command += ["--model-revision", spec.model.revision]
     return command + list(spec.engine_args)
+
+
+def launcher_model(command: list[str]) -> tuple[str | None, str | None]:
+    """(model path, revision label) a launcher command of `launcher_command` serves."""
+    path = command[2] if len(command) > 2 else None
+    label = command[command.index("--model-revision") + 1] if "--model-revision" in command[:-1] else None
+    return path, label
 
 
 def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:

@@ -11,13 +11,18 @@ Per world, in flight:
 - replace: `draining` (sleep, mode drain: the engine finishes what it admitted and its /ready
   drops it from the Service) → `replacing` (once parked, or when it does not answer) → done
   when the new pods are Ready;
-- swap (only the model path changed and `rollout.inPlaceWeightSwap`): `swapping` = sleep
-  level 2, then wakeup with the new model path in the same processes → done when Ready on it.
+- swap (only the model path or revision changed, and `rollout.inPlaceWeightSwap`): `swapping` =
+  sleep level 2, then wakeup with the model path (read again) in the same processes → done when
+  Ready on it.
 
 At most `rollout.maxUnavailable` worlds are out of service at once, counting every world that
-is not Ready for any reason; an outdated world that is down anyway (never came up, failing) is
-replaced at once (it serves nothing). A world that fails its rollout (Failed, or not Ready within the startup
-timeout) stops the rollout, naming it, instead of taking the next world down.
+is not Ready for any reason but one: while the deployment is meant to sleep (`asleep`), a
+sleeping world is where it should be, not out of service. So a rollout goes on while the worlds
+sleep: each is replaced (or swapped) in turn, done when up on the new spec (Ready, or Sleeping
+again), and the sleep intent puts it back to sleep. An outdated world that is down anyway
+(never came up, failing) is replaced at once (it serves nothing). A world that fails its
+rollout (Failed, or not Ready within the startup timeout) stops the rollout, naming it, instead
+of taking the next world down.
 """
 
 from __future__ import annotations
@@ -66,8 +71,17 @@ def plan(
     drain_timeout: float,
     startup_timeout: float,
     swap_refused: Mapping[int, str] | None = None,
+    asleep: bool = False,
 ) -> Plan:
-    """This round's orders. `swap_refused`: worlds whose engine refused the new revision now."""
+    """This round's orders. `swap_refused`: worlds whose engine refused the new revision now;
+    `asleep`: the deployment's intent is that every world sleeps (manual or scheduled)."""
+
+    def resting(world: WorldState) -> bool:
+        return asleep and world.phase == "Sleeping"
+
+    def out_of_service(world: WorldState) -> bool:
+        return not world.ready and not resting(world)
+
     memory = dict(memory or {})
     result = Plan()
     by_index = {world.index: world for world in worlds}
@@ -97,7 +111,7 @@ def plan(
             result.orders.append((index, "wake"))  # back to serving the weights it had
             continue
         if not world.outdated:
-            if world.ready:
+            if world.ready or resting(world):
                 done.append(index)
                 result.events.append(("Normal", "RolloutWorldDone", f"world {index} runs the new spec"))
                 continue
@@ -134,7 +148,7 @@ def plan(
             for world in worlds
             if world.outdated and world.index not in taken and world.index not in done
         ]
-        unavailable = sum(1 for world in worlds if not world.ready)
+        unavailable = sum(1 for world in worlds if out_of_service(world))
         # Worlds that serve nothing anyway first: replacing them costs no availability.
         for world in sorted(waiting, key=lambda world: (world.phase not in DOWN, world.index)):
             if world.phase in DOWN and world.outdated != "model":
@@ -143,7 +157,7 @@ def plan(
                 continue
             if unavailable >= max_unavailable:
                 break
-            unavailable += 1 if world.ready else 0
+            unavailable += 0 if out_of_service(world) else 1
             if world.outdated == "model":
                 in_flight.append({"world": world.index, "step": "swapping", "since": format_time(now)})
                 if world.admission == "parked":

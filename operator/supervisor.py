@@ -166,6 +166,7 @@ class Supervisor:
             spec.rollout.drain_timeout_seconds,
             spec.health.startup_timeout_seconds,
             refused,
+            asleep=intent.asleep,
         )
         for event in rolling.events:
             self.post_event(*event)
@@ -412,7 +413,9 @@ class Supervisor:
             )
         elif order == "swap-wake":
             timeout = spec.health.startup_timeout_seconds
-            call = engine_admin.wakeup(self.http, address, token, timeout, model=spec.model.path)
+            call = engine_admin.wakeup(
+                self.http, address, token, timeout, model=spec.model.path, revision=spec.model.revision
+            )
             self.transitions.start(index, "swap", "swap", call)
         elif order == "wake":
             call = engine_admin.wakeup(self.http, address, token, spec.health.startup_timeout_seconds)
@@ -530,8 +533,12 @@ class Supervisor:
             and self._only_model_differs(owner, spec, index, launcher)
         ):
             outdated = "model"
-        if outdated == "model" and served_path(step.status.get("modelRevision")) == spec.model.path:
-            outdated = None  # swapped in place already: the pod's command names the old path
+        if (
+            outdated == "model"
+            and served_path(step.status.get("modelRevision")) == spec.model.path
+            and step.status.get("modelRevisionLabel") == spec.model.revision
+        ):
+            outdated = None  # swapped in place already: the pod's command names the old weights
         return step, None, outdated
 
     @staticmethod
@@ -560,13 +567,14 @@ class Supervisor:
     def _only_model_differs(
         owner: render.Owner, spec: LLMDeploymentSpec, index: int, launcher: Mapping[str, Any] | None
     ) -> bool:
-        """True when the launcher pod would be current but for `model.path` (a weight swap)."""
+        """True when the launcher pod would be current but for `model.path` and `model.revision`
+        (a weight swap)."""
         if launcher is None:
             return False
-        command = launcher["spec"]["containers"][0].get("command") or []
-        if len(command) < 3 or command[2] == spec.model.path:
+        path, label = render.launcher_model(launcher["spec"]["containers"][0].get("command") or [])
+        if path is None or (path, label) == (spec.model.path, spec.model.revision):
             return False
-        model = spec.model.model_copy(update={"path": command[2]})
+        model = spec.model.model_copy(update={"path": path, "revision": label})
         as_before = spec.model_copy(update={"model": model})
         wanted = render.launcher_pod(owner, as_before, index)["metadata"]["annotations"][naming.SPEC_HASH]
         return (launcher["metadata"].get("annotations") or {}).get(naming.SPEC_HASH) == wanted

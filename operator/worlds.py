@@ -37,6 +37,7 @@ PERSISTENT = (
     "members",
     "probeFailures",
     "modelRevision",
+    "modelRevisionLabel",
     "lastTransition",
     "recentRestarts",
 )
@@ -257,6 +258,10 @@ def step(
             status["admission"] = probe.admission or "running"
             if probe.model_revision is not None:
                 status["modelRevision"] = probe.model_revision
+                if probe.model_label is not None:
+                    status["modelRevisionLabel"] = probe.model_label
+                else:
+                    status.pop("modelRevisionLabel", None)
             if probe.sleep_level is not None:
                 status["sleepLevel"] = probe.sleep_level
             if not status.get("members"):

@@ -41,7 +41,7 @@ async def state(request: Request) -> dict:
         "model": ctx.model_name,
         "phase": "serving",  # "loading" (with the progress) while the engine starts: serve/loading.py
         "model_path": revision.path if revision is not None else ctx.model_path,
-        "model_revision": asdict(revision) if revision is not None else None,
+        "model_revision": _revision(revision, ctx.model_label),
         "max_model_len": ctx.max_model_len,
         "engine_pid": executor.engine_pid,
         "tensor_parallel_size": ctx.llm.config.tensor_parallel_size,
@@ -94,14 +94,21 @@ async def sleep(request: Request, body: SleepRequest | None = None) -> dict:
     body = body or SleepRequest()
     ctx = serving(request)
     result = await _transition(ctx, "sleep", ctx.llm.sleep, body.level, body.mode, body.timeout)
-    return {**_describe(result), "level": body.level, "mode": body.mode}
+    return {**_describe(result, ctx.model_label), "level": body.level, "mode": body.mode}
 
 
 @router.post("/wakeup", responses=TRANSITION_ERRORS)
 async def wakeup(request: Request, body: WakeupRequest | None = None) -> dict:
     body = body or WakeupRequest()
     ctx = serving(request)
-    return _describe(await _transition(ctx, "wakeup", ctx.llm.wake_up, body.model))
+    if body.revision is not None and body.model is None:
+        # Without `model` a wakeup may keep the weights it held (level 1): naming them anew
+        # would say they were re-read when they were not.
+        raise bad_request("`revision` names the weights a wakeup loads: give `model` too", "revision")
+    result = await _transition(ctx, "wakeup", ctx.llm.wake_up, body.model)
+    if body.model is not None:
+        ctx.model_label = body.revision  # new weights: the name they came with, or none
+    return _describe(result, ctx.model_label)
 
 
 async def _transition(ctx: ServingContext, kind: str, call, *args) -> TransitionResult:
@@ -126,7 +133,11 @@ async def _transition(ctx: ServingContext, kind: str, call, *args) -> Transition
     return result
 
 
-def _describe(result: TransitionResult) -> dict:
+def _revision(revision, label: str | None) -> dict | None:
+    return {**asdict(revision), "label": label} if revision is not None else None
+
+
+def _describe(result: TransitionResult, label: str | None = None) -> dict:
     return {
         "admission": result.admission,
         "seconds": result.seconds,
@@ -134,5 +145,5 @@ def _describe(result: TransitionResult) -> dict:
         "num_aborted": result.num_aborted,
         "memory_before": asdict(result.memory_before) if result.memory_before else None,
         "memory_after": asdict(result.memory_after) if result.memory_after else None,
-        "model_revision": asdict(result.model_revision) if result.model_revision else None,
+        "model_revision": _revision(result.model_revision, label),
     }

@@ -43,7 +43,7 @@ ENGINE_OPTIONS = {
     "first_step_timeout": "first_step_timeout",
 }
 # Options of the process that owns the engine: an attached frontend has none of them.
-OWNER_OPTIONS = (*ENGINE_OPTIONS, "executor", "num_postprocess_workers", "attach_port")
+OWNER_OPTIONS = (*ENGINE_OPTIONS, "executor", "num_postprocess_workers", "attach_port", "model_revision")
 ATTACH_ADDRESS = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
 
 
@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL)")
+    parser.add_argument(
+        "--model-revision",
+        metavar="LABEL",
+        help="a name for the weights in MODEL (a date, a commit), reported as model_revision.label "
+        "in /admin/state next to their digest; a wakeup that loads other weights replaces it",
+    )
     parser.add_argument("--api-key", help="require this bearer token on /v1 (default: $BERTH_API_KEY)")
     parser.add_argument(
         "--admin-token", help="require this bearer token on /admin (default: $BERTH_ADMIN_TOKEN)"
@@ -455,6 +461,7 @@ def _loading_context(args: argparse.Namespace):
         admin_token=args.admin_token or os.environ.get("BERTH_ADMIN_TOKEN") or None,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         loading=Loading(),
+        model_label=args.model_revision,
     )
 
 
@@ -467,6 +474,7 @@ def _context(args: argparse.Namespace, llm, model_name: str | None):
         api_key=args.api_key or os.environ.get("BERTH_API_KEY") or None,
         admin_token=args.admin_token or os.environ.get("BERTH_ADMIN_TOKEN") or None,
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        model_label=args.model_revision,
     )
 
 

@@ -29,6 +29,9 @@ class ServingContext:
     in_flight: dict[asyncio.Task, object] = field(default_factory=dict)
     # While the engine loads (`llm` is None until then): its progress, for the loading gate.
     loading: Loading | None = None
+    # The name the deployer gave the weights serving (`--model-revision`, or a wakeup's
+    # `revision`): the digest says what is there, the label what it was meant to be.
+    model_label: str | None = None
 
     @classmethod
     def for_llm(cls, llm, model_name: str | None = None, **options) -> ServingContext:

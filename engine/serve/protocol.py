@@ -306,6 +306,15 @@ class WakeupRequest(_AdminRequest):
         max_length=4096,
         description="another revision of the model (a directory on the engine's machine) to load in place",
     )
+    revision: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description=(
+            "a name for the weights this wakeup loads from `model` (which it needs: the same "
+            "directory re-reads it), reported as model_revision.label"
+        ),
+    )
 
 
 class ModelList(BaseModel):

@@ -272,8 +272,10 @@ async def test_every_command_the_renderer_emits_runs_and_becomes_ready(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
     manifest = e2e.tiny_cpu_example(models, tensorParallelSize=2, frontends=1, health=HEALTH)
+    manifest["spec"]["model"]["revision"] = "2026-12-02"  # every optional flag in the command too
     commands = e2e.rendered_commands(manifest)
     assert set(commands) == {"launcher", "worker", "frontend"}
+    assert "--model-revision" in commands["launcher"]
 
     def settled() -> bool:
         # Each command became ready, or ran and keeps failing: ended at least twice (the world's
@@ -302,5 +304,8 @@ async def test_every_command_the_renderer_emits_runs_and_becomes_ready(
             else:
                 outcome = "never ran"
             report.append(f"{role}: {shlex.join(argv)}\n    {outcome}")
+        await llmd.wait(lambda: llmd.world().get("modelRevisionLabel"), 30, "the engine's revision label")
+        label = llmd.world()["modelRevisionLabel"]
     print("\n".join(report))
     assert all(line.endswith("ran and became ready") for line in report), "\n" + "\n".join(report)
+    assert label == "2026-12-02"  # `berth launch --model-revision`, as the operator reads it back

@@ -236,6 +236,11 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("bad env name", with_spec(env=[{"name": "1BAD", "value": "x"}]), "'1BAD' does not match"),
     ("sleep level 3", with_spec(sleep={"sleeping": True, "level": 3}), "3 is not one of [1, 2]"),
     (
+        "a revision with a space",
+        with_spec(model={"path": "/models/m", "revision": "v 2"}),
+        "'v 2' does not match",
+    ),
+    (
         "cron that is not cron",
         with_spec(sleepSchedules=[{"name": "night", "cron": "every day", "action": "Sleep"}]),
         "'every day' does not match",

@@ -208,7 +208,25 @@ def test_launcher_without_served_name_or_volume() -> None:
     plain = spec(model={"path": "/opt/model"})
     pod = render.launcher_pod(OWNER, plain, 0)
     assert "--served-model-name" not in pod["spec"]["containers"][0]["command"]
+    assert "--model-revision" not in pod["spec"]["containers"][0]["command"]
+    assert render.launcher_model(pod["spec"]["containers"][0]["command"]) == ("/opt/model", None)
     assert [volume["name"] for volume in pod["spec"]["volumes"]] == ["hostfile", "ssh", "dshm"]
+
+
+def test_a_model_revision_is_a_flag_of_the_launcher_and_moves_its_spec_hash() -> None:
+    named = spec(model={"path": "/opt/model", "revision": "2026-12-01"})
+    renamed = spec(model={"path": "/opt/model", "revision": "2026-12-02"})
+    pod = render.launcher_pod(OWNER, named, 0)
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[command.index("--model-revision") + 1] == "2026-12-01"
+    assert render.launcher_model(command) == ("/opt/model", "2026-12-01")
+    hashes = {
+        render.launcher_pod(OWNER, s, 0)["metadata"]["annotations"][naming.SPEC_HASH]
+        for s in (named, renamed)
+    }
+    assert len(hashes) == 2  # a new name for the weights rolls the worlds
+    # Workers run no model server: the name is the launcher's alone.
+    assert render.worker_pod_spec(OWNER, named, 0) == render.worker_pod_spec(OWNER, renamed, 0)
 
 
 def test_spec_hash_moves_with_the_spec_only() -> None:

@@ -267,8 +267,25 @@ async def test_an_in_place_weight_swap_keeps_pods_and_processes_and_serves_the_n
             await served_completions(endpoint, str(fleet.model), prompts, max_tokens)
             for endpoint in endpoints
         ]
-        after_pids = [await endpoint.engine_pid() for endpoint in endpoints]
         final = status(cluster)
+        expected = hf_completions(new_model, prompts, max_tokens)  # before the files change
+
+        # The files at the same path rewritten (a sync job), then `model.revision` says so: the
+        # worlds swap again, in place, and re-read the directory.
+        make_tiny_model(new_model, seed=2)
+        await patch_spec(cluster, {"model": {"path": str(new_model), "name": "llama", "revision": "v2"}})
+
+        def relabelled() -> bool:
+            worlds = status(cluster).get("worlds") or []
+            return rollout_complete(cluster) and all(w.get("modelRevisionLabel") == "v2" for w in worlds)
+
+        await wait_for(relabelled, ROLLOUT_TIMEOUT, "the new revision swapped in")
+        rewritten = [
+            await served_completions(endpoint, str(fleet.model), prompts, max_tokens)
+            for endpoint in endpoints
+        ]
+        relabelled_status = status(cluster)
+        after_pids = [await endpoint.engine_pid() for endpoint in endpoints]
 
     assert after_pids == pids
     assert {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.objects("v1/pods")} == uids
@@ -280,10 +297,15 @@ async def test_an_in_place_weight_swap_keeps_pods_and_processes_and_serves_the_n
     assert all(world["modelRevision"] == final["modelRevision"] for world in final["worlds"])
     assert all(ready.count(False) <= 1 for ready in seen if len(ready) == 2)
     assert sorted(events(cluster, "WeightsSwapped"))[0].startswith("world 0: swap done")
-    assert len(events(cluster, "WeightsSwapped")) == 2
-    expected = hf_completions(new_model, prompts, max_tokens)
     assert served == [expected, expected]
     assert before != expected  # the old weights answered otherwise
+    # The revision: a new digest at the same path, its name on every world, no pod replaced.
+    relabelled_worlds = relabelled_status["worlds"]
+    assert all(world["modelRevision"].startswith(f"{new_model}@sha256:") for world in relabelled_worlds)
+    assert relabelled_status["modelRevision"] not in (final["modelRevision"], old_revision)
+    assert len(events(cluster, "WeightsSwapped")) == 4
+    rewritten_expected = hf_completions(new_model, prompts, max_tokens)
+    assert rewritten == [rewritten_expected, rewritten_expected] and rewritten_expected != expected
 
 
 async def test_an_operator_killed_mid_rollout_resumes_without_skipping_or_repeating(
@@ -358,3 +380,48 @@ async def test_an_operator_killed_mid_rollout_resumes_without_skipping_or_repeat
         "world 0 replaced: its launcher pod spec changed",
         "world 1 replaced: its launcher pod spec changed",
     ]
+
+
+async def test_a_rolling_change_while_the_worlds_sleep_replaces_each_in_turn_and_they_sleep_again(
+    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    # Every world asleep on purpose is not "out of service": a rollout that counted them so
+    # would wait, forever, for one to come back before taking the first.
+    async with running_operator(cluster, fleet.resolve):
+        await apply_two_worlds(cluster, tmp_path, fleet.model)
+        await wait_for(lambda: status(cluster).get("readyReplicas") == 2, START_TIMEOUT, "2 worlds Ready")
+        await patch_spec(cluster, {"sleep": {"sleeping": True, "level": 1}})
+
+        def phases() -> list[str]:
+            return [str(world.get("phase")) for world in status(cluster).get("worlds") or []]
+
+        await wait_for(lambda: phases() == ["Sleeping", "Sleeping"], ROLLOUT_TIMEOUT, "both worlds asleep")
+        seen: list[list[str]] = []
+        async with sampling(lambda: seen.append(phases()), 0.02):
+            await patch_spec(cluster, {"env": [{"name": "BERTH_ROLLOUT_TEST", "value": "asleep"}]})
+
+            def asleep_on_the_new_spec() -> bool:
+                rollout = status(cluster).get("rollout") or {}
+                return bool(
+                    rollout.get("complete")
+                    and rollout.get("done") == [0, 1]
+                    and phases() == ["Sleeping", "Sleeping"]
+                    and on_current_spec(cluster)
+                )
+
+            try:
+                await wait_for(asleep_on_the_new_spec, ROLLOUT_TIMEOUT, "both worlds asleep on the new spec")
+            except AssertionError as error:
+                raise AssertionError(
+                    f"{error}; status: {status(cluster)}; started: {fleet.started}"
+                ) from None
+        await wait_for(lambda: argocd_health(llmd(cluster))["status"] == "Suspended", 30, "Suspended")
+
+    assert sorted(fleet.started) == sorted([*LAUNCHERS, *LAUNCHERS])  # each world replaced once
+    # One world at a time: never both being replaced (neither asleep nor serving) at once; a
+    # new world serves until the sleep intent, not the rollout, puts it back to sleep.
+    away = [p for p in seen if len(p) == 2 and all(phase not in ("Sleeping", "Ready") for phase in p)]
+    assert away == [], away
+    assert any(phase[0] != "Sleeping" for phase in seen) and any(phase[1] != "Sleeping" for phase in seen)
+    for index in (0, 1):
+        assert (await fleet.for_pod(LAUNCHERS[index]).get("/admin/state")).json()["admission"] == "parked"

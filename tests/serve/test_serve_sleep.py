@@ -40,7 +40,8 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sleeper(long_model: Path):
     """A server whose engine the tests put to sleep; each test leaves it awake."""
     process = ServerProcess(
-        long_model, *SLEEP_ARGS, "--served-model-name", "tiny", env={"BERTH_ADMIN_TOKEN": ADMIN_TOKEN},
+        long_model, *SLEEP_ARGS, "--served-model-name", "tiny", "--model-revision", "v1",
+        env={"BERTH_ADMIN_TOKEN": ADMIN_TOKEN},
         admin_token=ADMIN_TOKEN,
     )  # fmt: skip
     yield process
@@ -52,6 +53,9 @@ def awake_after_each_test(request):
     yield
     if "sleeper" in request.fixturenames:
         server = request.getfixturevalue("sleeper")
+        # A test that failed mid-drain leaves a sleep under way: let it end (bounded), so that its
+        # failure is not the next test's too.
+        wait_until(lambda: server.admin_state()["admission"] not in ("parking", "waking"), 120)
         if server.admin_state()["admission"] == "parked":
             admin(server, "/admin/wakeup")
         assert server.admin_state()["admission"] == "running"
@@ -104,10 +108,13 @@ def completion_tokens(stream: Stream) -> int:
 
 
 def test_a_drain_lets_32_streams_finish_while_new_requests_get_503(sleeper):
-    streams = start_streams(sleeper, max_tokens=100)
+    streams = start_streams(sleeper, max_tokens=300)  # outlasting the sleep's way to the engine
     asleep, outcome = in_background(lambda: admin(sleeper, "/admin/sleep", {"mode": "drain", "timeout": 300}))
     assert wait_until(lambda: sleeper.admin_state()["admission"] == "parking", 30)
-    assert sleeper.admin_state()["num_running"] > 0  # the drain has something to drain
+    # The drain has something to drain: requests this server admitted and the engine has not
+    # finished (the engine's own counts may not show them yet: its last stats came with the turn
+    # that took the sleep up, and requests still on their way to it join the batch after).
+    assert sleeper.admin_state()["num_pending"] > 0
     assert_refused_while(sleeper, "parking")
 
     asleep.join(300)
@@ -116,7 +123,7 @@ def test_a_drain_lets_32_streams_finish_while_new_requests_get_503(sleeper):
     assert response.json()["admission"] == "parked" and response.json()["num_aborted"] == 0
     for stream in streams:
         assert stream.join(30) and stream.events[-1] == "[DONE]"
-        assert stream.finish_reasons() == {0: "length"} and completion_tokens(stream) == 100
+        assert stream.finish_reasons() == {0: "length"} and completion_tokens(stream) == 300
     assert_refused_while(sleeper, "parked")
 
     woken = admin(sleeper, "/admin/wakeup")
@@ -219,6 +226,7 @@ def test_a_new_revision_is_served_and_shown_and_one_that_does_not_fit_is_refused
     make_tiny_model(narrow, hidden_size=32, max_position_embeddings=MAX_POSITIONS)
     first = sleeper.admin_state()["model_revision"]
     assert first["path"] == str(long_model) and first["digest"].startswith("sha256:")
+    assert first["label"] == "v1"  # --model-revision
     before = completions(sleeper)
     assert admin(sleeper, "/admin/sleep", {"level": 2}).status_code == 200
     for bad, what in (
@@ -231,16 +239,28 @@ def test_a_new_revision_is_served_and_shown_and_one_that_does_not_fit_is_refused
         assert error["code"] == "invalid_model" and error["param"] == "model" and what in error["message"]
         assert sleeper.admin_state()["admission"] == "parked"
 
-    assert admin(sleeper, "/admin/wakeup", {"model": str(second)}).status_code == 200
+    woken = admin(sleeper, "/admin/wakeup", {"model": str(second), "revision": "v2"})
+    assert woken.status_code == 200 and woken.json()["model_revision"]["label"] == "v2", woken.text
     card = sleeper.get("/v1/models").json()["data"][0]
     state = sleeper.admin_state()
     assert card["id"] == "tiny" and card["root"] == str(second) == state["model_revision"]["path"]
     assert card["revision"] == state["model_revision"]["digest"] != first["digest"]
-    assert completions(sleeper) != before
+    assert state["model_revision"]["label"] == "v2"
+    second_texts = completions(sleeper)
+    assert second_texts != before
 
-    assert admin(sleeper, "/admin/sleep").status_code == 200  # and back to the first
+    # The same directory rewritten (as a sync job would), re-read in place under a new name.
+    make_tiny_model(second, seed=6, max_position_embeddings=MAX_POSITIONS)
+    assert admin(sleeper, "/admin/sleep").status_code == 200
+    assert admin(sleeper, "/admin/wakeup", {"model": str(second), "revision": "v3"}).status_code == 200
+    rewritten = sleeper.admin_state()["model_revision"]
+    assert rewritten["path"] == str(second) and rewritten["label"] == "v3"
+    assert rewritten["digest"] != state["model_revision"]["digest"]
+    assert completions(sleeper) not in (before, second_texts)
+
+    assert admin(sleeper, "/admin/sleep").status_code == 200  # and back to the first, unnamed
     assert admin(sleeper, "/admin/wakeup", {"model": str(long_model)}).status_code == 200
-    assert sleeper.admin_state()["model_revision"] == first
+    assert sleeper.admin_state()["model_revision"] == {**first, "label": None}
     assert completions(sleeper) == before
 
 
@@ -253,6 +273,8 @@ def test_a_new_revision_is_served_and_shown_and_one_that_does_not_fit_is_refused
         ("/admin/sleep", {"timeout": -1}, "timeout"),
         ("/admin/sleep", {"levle": 2}, "levle"),
         ("/admin/wakeup", {"model": ""}, "model"),
+        ("/admin/wakeup", {"revision": "v2"}, "revision"),  # names weights it would not load
+        ("/admin/wakeup", {"model": "/m", "revision": ""}, "revision"),
         ("/admin/wakeup", '{"model": "\\ud800"}', "model"),  # a lone surrogate: not a path
     ],
 )

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from berth.operator import render
 from tests.support.engine_processes import pid_alive
 
 ADMIN_TOKEN = "test-admin-token"
@@ -168,8 +169,12 @@ class EngineFleet:
         if self.is_launcher(pod):
             uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
             token = pod_admin_token(pod, self.read_secret) if self.read_secret is not None else None
+            # The name the pod's command gives the weights (spec.model.revision), as `berth launch`
+            # would report it; the weights themselves are always the fleet's model.
+            _, label = render.launcher_model(pod["spec"]["containers"][0].get("command") or [])
+            revision = ["--model-revision", label] if label else []
             self.endpoints[uid] = await start_engine_endpoint(
-                self.model, admin_token=token or ADMIN_TOKEN, extra_args=self.engine_args
+                self.model, admin_token=token or ADMIN_TOKEN, extra_args=[*self.engine_args, *revision]
             )
             self._names[uid] = name
             self.started.append(name)
