@@ -19,7 +19,7 @@ from typing import Any
 
 from berth.operator import credentials, naming, render
 from berth.operator.crd_model import LLMDeploymentSpec
-from berth.operator.kube import Conflict, Kube
+from berth.operator.kube import Conflict, Kube, KubeError
 
 # Kinds the operator creates per world, pruned when a world or the frontends go away.
 # (Worker pods are the StatefulSets' own; launcher pods are pruned by their role label.)
@@ -160,6 +160,11 @@ async def ensure(
             live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
             if live is None:
                 raise
+        except KubeError as exc:
+            if exc.status != 422:
+                raise
+            # Refused as invalid: say which child (the stage creates several at once).
+            raise KubeError(422, f"{_ref(desired)}: {exc.message}") from exc
     if desired["kind"] == "Pod":
         return live
     wanted = managed_fields(desired)

@@ -1,24 +1,34 @@
 """Benchmark (run by hand, not collected by pytest): N LLMDeployments created at once against the
-emulator; how long until every child of every one exists.
+emulator; how long until every child of every one exists and every status is written, then a
+spec change across all of them: how long until every world runs pods of the new spec.
 
-    .venv/bin/python tests/operator/bench_operator_scale.py [--count 100]
+    .venv/bin/python tests/operator/bench_operator_scale.py [--count 100] [--operator in-process]
 
-The operator runs for real (kopf, in-process, over HTTP) exactly as in the tests; the
-StatefulSet controller and kubelet helpers run too (no engine servers: the worlds stay
-Starting). The figure is dominated by the emulator and one CPU-bound event loop shared by the
-emulator, the helpers and the operator, so it is a lower bound on the operator's throughput
-rather than a prediction for a real API server.
+By default the operator runs as it is deployed: `berth operator` in a process of its own (kopf
+over HTTP to the emulator). The emulator, the StatefulSet controller and the stand-in kubelet
+share this process (no engine servers: the worlds stay Starting, and each one's health daemon
+polls a loopback address where nothing listens, so every poll is a real, refused connection).
+`--operator in-process` runs the operator in this process's event loop, as the tests do.
+
+It prints the CPU seconds each side spent while measured (the split: operator process vs the
+emulator and the helpers), so a slow figure says whose time it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
+import dataclasses
 import logging
+import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 from berth.operator import naming, render  # noqa: E402
 from berth.operator.crd_model import parse_spec  # noqa: E402
-from tests.support.cluster import ClusterSim, running_cluster  # noqa: E402
+from tests.support.cluster import Cluster, ClusterSim, running_cluster  # noqa: E402
 from tests.support.operator_runner import running_operator  # noqa: E402
 
+LLMD = "berth.dev/v1alpha1/llmdeployments"
+LLMD_PATH = "/apis/berth.dev/v1alpha1/namespaces/default/llmdeployments"
 RESOURCES = {
     "ConfigMap": "v1/configmaps",
     "Service": "v1/services",
@@ -40,6 +52,18 @@ RESOURCES = {
     "Deployment": "apps/v1/deployments",
     "Secret": "v1/secrets",
 }
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclasses.dataclass
+class LoopbackSim(ClusterSim):
+    """Pod IPs on the loopback network: the health daemons' polls stay on this machine."""
+
+    def running_status(self, pod: dict[str, Any]) -> dict[str, Any]:
+        status = super().running_status(pod)
+        _, _, third, fourth = status["podIP"].split(".")
+        status["podIP"] = f"127.77.{third}.{fourth}"
+        return status
 
 
 def expected_children(names: list[str], spec: dict[str, Any]) -> set[tuple[str, str]]:
@@ -55,71 +79,154 @@ def expected_children(names: list[str], spec: dict[str, Any]) -> set[tuple[str, 
     return wanted
 
 
-async def bench(count: int) -> None:
+def cpu_of(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@contextlib.asynccontextmanager
+async def operator_process(cluster: Cluster, log: Path) -> AsyncIterator[int]:
+    command = [sys.executable, "-m", "berth", "operator", "--kubeconfig", str(cluster.kubeconfig)]
+    command += ["-n", cluster.namespace, "--metrics-port", "0", "--liveness", ""]
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        yield process.pid
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def until(predicate: Callable[[], bool], timeout: float, started: float) -> float | None:
+    """Seconds from `started` until `predicate()` holds (None after `timeout`)."""
+    while time.perf_counter() - started < timeout:
+        if predicate():
+            return time.perf_counter() - started
+        await asyncio.sleep(0.1)
+    return None
+
+
+def observed(cluster: Cluster, names: list[str]) -> bool:
+    return all(
+        ((cluster.get(LLMD, name) or {}).get("status") or {}).get("observedGeneration") for name in names
+    )
+
+
+def on_new_spec(cluster: Cluster, names: list[str]) -> bool:
+    """Every world of every deployment runs a launcher and workers of its current spec."""
+    pods = {pod["metadata"]["name"]: pod for pod in cluster.objects("v1/pods")}
+    for name in names:
+        raw = cluster.get(LLMD, name)
+        spec = parse_spec(raw["spec"], name)
+        owner = render.Owner(name=name, namespace="default", uid=raw["metadata"]["uid"])
+        for world in range(spec.replicas):
+            wanted = render.launcher_pod(owner, spec, world)["metadata"]["annotations"][naming.SPEC_HASH]
+            launcher = pods.get(naming.launcher_pod_name(name, world))
+            if launcher is None or launcher["metadata"]["annotations"].get(naming.SPEC_HASH) != wanted:
+                return False
+            worker_hash = render.spec_hash(render.worker_pod_spec(owner, spec, world))
+            workers = [
+                pod
+                for pod in pods.values()
+                if pod["metadata"]["name"].startswith(naming.world_name(name, world) + "-")
+                and pod["metadata"].get("labels", {}).get(naming.ROLE) == "worker"
+            ]
+            if len(workers) != spec.nodes_per_world:
+                return False
+            if any(pod["metadata"]["annotations"].get(naming.SPEC_HASH) != worker_hash for pod in workers):
+                return False
+    return True
+
+
+async def bench(count: int, mode: str) -> None:
     example = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     names = [f"bench-{index:03d}" for index in range(count)]
     wanted = expected_children(names, example["spec"])
+
+    def document(name: str) -> dict[str, Any]:
+        doc = copy.deepcopy(example)
+        doc["metadata"]["name"] = name
+        return doc
+
     with tempfile.TemporaryDirectory() as tmp:
         async with running_cluster(Path(tmp)) as cluster:
-            import os
-
             os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-            async with (
-                ClusterSim(cluster, interval=0.2).running(),
-                running_operator(cluster, lambda pod: None),
-            ):
-                documents = []
-                for name in names:
-                    document = copy.deepcopy(example)
-                    document["metadata"]["name"] = name
-                    documents.append(document)
-                path = "/apis/berth.dev/v1alpha1/namespaces/default/llmdeployments"
-                started = time.perf_counter()
-                await asyncio.gather(*(cluster.api("POST", path, document) for document in documents))
-                created = time.perf_counter() - started
+            log = Path(tmp) / "operator.log"
+            operator = operator_process(cluster, log) if mode == "process" else running_operator(cluster)
+            async with LoopbackSim(cluster, interval=0.2).running(), operator as handle:
+                pid = handle if mode == "process" else None
+                # Warm-up (not measured): the operator is up and has reconciled one deployment.
+                await cluster.api("POST", LLMD_PATH, document("warm-up"))
+                if await until(lambda: observed(cluster, ["warm-up"]), 120, time.perf_counter()) is None:
+                    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                    raise SystemExit(f"the operator did not reconcile a first deployment in 120 s\n{tail}")
 
                 def existing() -> set[tuple[str, str]]:
                     return {
                         (kind, obj["metadata"]["name"])
-                        for kind, resource in RESOURCES.items()
-                        for obj in cluster.objects(resource)
+                        for kind, resource_path in RESOURCES.items()
+                        for obj in cluster.objects(resource_path)
                     }
 
-                children_at = None
-                while time.perf_counter() - started < 600:
-                    if children_at is None and wanted <= existing():
-                        children_at = time.perf_counter() - started
-                    observed = [
-                        (cluster.get("berth.dev/v1alpha1/llmdeployments", name).get("status") or {}).get(
-                            "observedGeneration"
-                        )
-                        for name in names
-                    ]
-                    if children_at is not None and all(observed):
-                        break
-                    await asyncio.sleep(0.1)
-                observed_at = time.perf_counter() - started
-                # Measured. The harness stops kopf after a short grace, cancelling 100 daemons and
-                # their HTTP sessions mid-poll: expected here, and not worth a screen of warnings.
+                cpu_before = (own_cpu(), cpu_of(pid) if pid else 0.0)
+                started = time.perf_counter()
+                await asyncio.gather(*(cluster.api("POST", LLMD_PATH, document(name)) for name in names))
+                created = time.perf_counter() - started
+                children_at = await until(lambda: wanted <= existing(), 600, started)
+                observed_at = await until(lambda: observed(cluster, names), 600, started)
+                cpu_after = (own_cpu(), cpu_of(pid) if pid else 0.0)
+
+                change = {"spec": {"env": [{"name": "BENCH_ROLLOUT", "value": "1"}]}}
+                rollout_started = time.perf_counter()
+                await asyncio.gather(*(cluster.api("PATCH", f"{LLMD_PATH}/{name}", change) for name in names))
+                rolled_at = await until(lambda: on_new_spec(cluster, names), 600, rollout_started)
+                cpu_rolled = (own_cpu(), cpu_of(pid) if pid else 0.0)
+                # Measured. Stopping kopf cancels 100 daemons mid-poll: expected, not worth warnings.
                 logging.getLogger("kopf").setLevel(logging.CRITICAL)
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+
+    def when(seconds: float | None) -> str:
+        return f"{seconds:.2f} s" if seconds is not None else "not within 600 s"
+
+    def split(before: tuple[float, float], after: tuple[float, float]) -> str:
+        here, there = after[0] - before[0], after[1] - before[1]
+        if mode != "process":
+            return f"CPU {here:.1f} s in one process (operator, emulator and helpers together)"
+        total = max(here + there, 1e-9)
+        return (
+            f"CPU: operator process {there:.1f} s ({100 * there / total:.0f} %), emulator + helpers "
+            f"{here:.1f} s ({100 * here / total:.0f} %)"
+        )
+
+    print(f"operator: {'its own process (berth operator)' if mode == 'process' else 'in-process'}")
     print(
-        f"{count} LLMDeployments ({len(wanted)} children: {len(wanted) // count} each) "
-        f"created in {created:.2f} s"
+        f"{count} LLMDeployments ({len(wanted)} children: {len(wanted) // count} each) created in "
+        f"{created:.2f} s; all children exist after {when(children_at)}; all statuses observed after "
+        f"{when(observed_at)}; {split(cpu_before, cpu_after)}"
     )
     print(
-        f"all children exist after {children_at:.2f} s" if children_at else "children incomplete after 600 s"
+        f"rollout (a spec change on all {count}, 2 worlds each, none Ready: each replaced at once): every "
+        f"world on the new spec after {when(rolled_at)}; {split(cpu_after, cpu_rolled)}"
     )
-    print(f"all statuses observed after {observed_at:.2f} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--operator", choices=("process", "in-process"), default="process")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kopf").setLevel(logging.WARNING)
-    asyncio.run(bench(args.count))
+    asyncio.run(bench(args.count, args.operator))
 
 
 if __name__ == "__main__":

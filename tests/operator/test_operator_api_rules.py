@@ -7,6 +7,7 @@ status write fails."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +133,13 @@ async def test_a_child_the_api_server_refuses_is_reported_once_not_retried(
     assert (
         REGISTRY.get_sample_value("berth_operator_reconciles_total", {"result": "retry"}) or 0
     ) == retries_before
-    # The reconcile creates a stage's independent children concurrently: the other world's
-    # StatefulSet may exist (owned, it goes with the LLMDeployment), but the refused one does
-    # not, and no launcher starts from a refused spec (the launchers' stage never ran).
-    assert "llama-w0" not in cluster.names("apps/v1/statefulsets")
+    # The reconcile creates a stage's independent children concurrently (either world's
+    # StatefulSet may be the one refused): the message names it, the other may exist (owned, it
+    # goes with the LLMDeployment), the refused one does not, and no launcher starts from a
+    # refused spec (the launchers' stage never ran).
+    refused = re.match(r"the API server refused a child: StatefulSet/(llama-w[01]): injected", message)
+    assert refused, message
+    assert refused[1] not in cluster.names("apps/v1/statefulsets")
     assert [name for name in cluster.names("v1/pods") if name.endswith("-launcher")] == []
 
 
