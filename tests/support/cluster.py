@@ -407,9 +407,10 @@ class ClusterSim:
         try:
             await self.cluster.api("PATCH", path, {"status": status})
         except AssertionError:
-            if self.cluster.get("v1/pods", meta["name"], meta["namespace"]) is not None:
+            now = self.cluster.get("v1/pods", meta["name"], meta["namespace"])
+            if now is not None and now["metadata"].get("uid") == meta.get("uid"):
                 raise  # still there: a real refusal
-            # Deleted between the check and the patch: nothing to report.
+            # Deleted (maybe created again, as another pod) between the check and the patch.
 
     async def fail_pod(self, name: str, message: str, exit_code: int = 1, namespace: str = "default") -> None:
         """The pod's container exits for good (what a crashed process on a node looks like)."""
