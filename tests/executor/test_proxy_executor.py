@@ -95,15 +95,17 @@ def test_abort_mid_stream_stops_that_request_only_and_frees_its_blocks(proxy_llm
     a = proxy_llm.generate_async(prompt_a, params, streaming=True)
     b = proxy_llm.generate_async(prompt_b, params, streaming=True)
 
-    def abort_after_five_tokens() -> int:
+    def abort_once_both_run() -> int:
+        # b's submission can reach the worker a few steps after a's: the abort waits for a step
+        # that ran both (one stats snapshot, so its count and its blocks agree).
         for update in a:
-            if len(update.outputs[0].token_ids) >= 5:
-                both_running = executor.stats.kv_blocks_used
+            stats = executor.stats
+            if len(update.outputs[0].token_ids) >= 5 and stats.num_running == 2:
                 a.abort()
-                return both_running
+                return stats.kv_blocks_used
         raise AssertionError("a finished before it could be aborted")
 
-    blocks_with_both = call_with_timeout(abort_after_five_tokens, TIMEOUT)
+    blocks_with_both = call_with_timeout(abort_once_both_run, TIMEOUT)
     out_a = a.result(timeout=TIMEOUT).outputs[0]
     blocks_after_abort = executor.stats.kv_blocks_used  # the stats of the step that answered the abort
     out_b = b.result(timeout=TIMEOUT).outputs[0]

@@ -37,7 +37,8 @@ ROLLOUT_TIMEOUT = 180.0
 LAUNCHERS = ("llama-w0-launcher", "llama-w1-launcher")
 
 
-async def apply_two_worlds(cluster: Cluster, tmp_path: Path, model: Path, **rollout: Any) -> None:
+async def two_ready_worlds(cluster: Cluster, tmp_path: Path, model: Path, **rollout: Any) -> None:
+    """Apply the example with 2 worlds serving `model`; return once both are Ready."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"].update(replicas=2, frontends=0, rollout={"drainTimeoutSeconds": 60, **rollout})
     # The model path is a real checkpoint: an in-place swap makes the engine load it.
@@ -47,6 +48,7 @@ async def apply_two_worlds(cluster: Cluster, tmp_path: Path, model: Path, **roll
     doc["spec"]["health"] = {"intervalSeconds": 3, "timeoutSeconds": 3, "failureThreshold": 3}
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(doc))
     await cluster.kubectl("apply", "--validate=false", "-f", str(tmp_path / "llama.yaml"))
+    await wait_for(lambda: status(cluster).get("readyReplicas") == 2, START_TIMEOUT, "2 worlds Ready")
 
 
 def llmd(cluster: Cluster) -> dict[str, Any]:
@@ -171,8 +173,7 @@ async def test_a_rolling_change_drains_one_world_at_a_time_and_fails_no_request(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
     async with running_operator(cluster, fleet.resolve):
-        await apply_two_worlds(cluster, tmp_path, fleet.model)
-        await wait_for(lambda: status(cluster).get("readyReplicas") == 2, START_TIMEOUT, "2 worlds Ready")
+        await two_ready_worlds(cluster, tmp_path, fleet.model)
         async with recorded_statuses(cluster) as seen, steady_client(fleet) as tally:
             await wait_for(lambda: tally["ok"] >= 5, 30, "the client's first answers")
             assert status(cluster)["rollout"]["complete"] is True  # nothing to roll out yet
@@ -252,8 +253,7 @@ async def test_an_in_place_weight_swap_keeps_pods_and_processes_and_serves_the_n
     make_tiny_model(new_model, seed=1)  # the same shapes, other weights
     prompts, max_tokens = ["The quick brown fox", "hello world"], 8
     async with running_operator(cluster, fleet.resolve):
-        await apply_two_worlds(cluster, tmp_path, fleet.model, inPlaceWeightSwap=True)
-        await wait_for(lambda: status(cluster).get("readyReplicas") == 2, START_TIMEOUT, "2 worlds Ready")
+        await two_ready_worlds(cluster, tmp_path, fleet.model, inPlaceWeightSwap=True)
         endpoints = [fleet.for_pod(name) for name in LAUNCHERS]
         pids = [await endpoint.engine_pid() for endpoint in endpoints]
         uids = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.objects("v1/pods")}
@@ -312,8 +312,7 @@ async def test_an_operator_killed_mid_rollout_resumes_without_skipping_or_repeat
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
     async with running_operator(cluster, fleet.resolve):
-        await apply_two_worlds(cluster, tmp_path, fleet.model)
-        await wait_for(lambda: status(cluster).get("readyReplicas") == 2, START_TIMEOUT, "2 worlds Ready")
+        await two_ready_worlds(cluster, tmp_path, fleet.model)
         await patch_spec(cluster, {"env": [{"name": "BERTH_ROLLOUT_TEST", "value": "kill"}]})
         # Point 1, between two worlds: world 0's new pods are starting (its engine takes seconds
         # to load), world 1 is not taken yet (at most one world out of service).
@@ -388,8 +387,7 @@ async def test_a_rolling_change_while_the_worlds_sleep_replaces_each_in_turn_and
     # Every world asleep on purpose is not "out of service": a rollout that counted them so
     # would wait, forever, for one to come back before taking the first.
     async with running_operator(cluster, fleet.resolve):
-        await apply_two_worlds(cluster, tmp_path, fleet.model)
-        await wait_for(lambda: status(cluster).get("readyReplicas") == 2, START_TIMEOUT, "2 worlds Ready")
+        await two_ready_worlds(cluster, tmp_path, fleet.model)
         await patch_spec(cluster, {"sleep": {"sleeping": True, "level": 1}})
 
         def phases() -> list[str]:
