@@ -225,31 +225,21 @@ def test_after_shutdown_the_engine_is_unhealthy_and_refuses_work(tiny_model, exe
         llm.generate_async("hi", greedy(2))
 
 
-class PausingTokenizer:
-    """The real tokenizer, but the first streamed request's submit pauses where it builds its
-    result (after its first admission check) until the test lets it go on."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self.entered = threading.Event()
-        self.go_on = threading.Event()
-
-    @property
-    def backend_tokenizer(self):
-        self.entered.set()
-        assert self.go_on.wait(30)
-        return self._tokenizer.backend_tokenizer
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-
 @pytest.mark.parametrize("shape", [InProcessExecutor, ProxyExecutor])
 def test_a_submit_racing_shutdown_is_refused_or_answered(tiny_model, shape):
     """Defect 4: a submit that registers after shutdown failed the pending requests must not be
     enqueued and left unanswered."""
-    tokenizer = PausingTokenizer(load_tokenizer(tiny_model))
-    executor = shape(EngineConfig(model=str(tiny_model), kv_cache_blocks=16), tokenizer)
+    executor = shape(EngineConfig(model=str(tiny_model), kv_cache_blocks=16), load_tokenizer(tiny_model))
+    entered, go_on = threading.Event(), threading.Event()
+    next_request_id = executor._next_request_id
+
+    def paused_next_request_id() -> int:
+        # Between submit's first check and its registration: shutdown runs all the way here.
+        entered.set()
+        assert go_on.wait(30)
+        return next_request_id()
+
+    executor._next_request_id = paused_next_request_id
     outcome: dict = {}
 
     def submit() -> None:
@@ -260,9 +250,9 @@ def test_a_submit_racing_shutdown_is_refused_or_answered(tiny_model, shape):
 
     submitter = threading.Thread(target=submit, daemon=True)
     submitter.start()
-    assert tokenizer.entered.wait(30)
+    assert entered.wait(30)
     executor.shutdown()  # all the way: pending requests failed, the engine stopped
-    tokenizer.go_on.set()
+    go_on.set()
     submitter.join(30)
     assert not submitter.is_alive()
     if "result" in outcome:  # if it got in, it is answered
