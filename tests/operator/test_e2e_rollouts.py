@@ -1,0 +1,217 @@
+"""Rollouts on real pods: the operator, the cluster's controllers and the test kubelet running
+every rendered command (tests/support/e2e.py), two worlds of one rank each.
+
+A spec change that needs new pods drains world 0 (its launcher parks, then ends with exit 0),
+replaces its pods, and takes world 1 only once the new world 0 is Ready: never both out of
+service (from the statuses recorded all along); both end on new pods that serve.
+An in-place weight swap keeps every pod and process and serves the new weights (transformers'
+greedy tokens on the new checkpoint). A swap onto weights whose logits are not finite fails its
+wakeup's check on world 0: the engine refuses to serve them, the world restarts onto them and
+fails again, the rollout stops there with the reason in status and Events (Argo CD: Degraded),
+and world 1 is never taken: the same pods, still serving the weights it had.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from berth.engine.models.tiny_model import make_tiny_model
+from berth.operator import naming
+from tests.engine.conftest import hf_greedy
+from tests.support import e2e
+from tests.support.argocd_health import argocd_health
+from tests.support.cluster import Cluster, sampling
+from tests.support.kubelet import Kubelet
+
+HEALTH = dict(
+    intervalSeconds=1,
+    timeoutSeconds=1,
+    maxRestarts=1,
+    backoffSeconds=1,
+    maxBackoffSeconds=1,
+    startupTimeoutSeconds=120,
+)
+START_TIMEOUT = 150.0
+PROMPT, MAX_TOKENS = "the quick brown fox", 8
+
+
+@pytest.fixture
+def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint, readable by the pods' non-root user."""
+    return e2e.shareable_copy(tiny_model, tmp_path_factory.mktemp("models"))
+
+
+def readable(path: Path) -> Path:
+    for directory, _, files in os.walk(path):
+        os.chmod(directory, 0o755)
+        for name in files:
+            os.chmod(Path(directory) / name, 0o644)
+    return path
+
+
+def poisoned_copy(model: Path, target: Path) -> Path:
+    """The same shapes, one weight NaN: every forward gives logits that are not finite."""
+    shutil.copytree(model, target)
+    weights = load_file(target / "model.safetensors")
+    name = next(key for key in weights if key.endswith("mlp.down_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return readable(target)
+
+
+def greedy_text(model: Path) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tokens, _ = hf_greedy(hf, tokenizer(PROMPT)["input_ids"], MAX_TOKENS)
+    return tokenizer.decode(tokens)
+
+
+async def answer(llmd: e2e.Deployed, index: int) -> str:
+    """World `index`'s answer, from its launcher pod's IP."""
+    ip = llmd.pod_status(naming.launcher_pod_name("tiny", index))["podIP"]
+    request = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(
+            f"http://{ip}:{naming.ENGINE_PORT}/v1/completions", json=request, timeout=60
+        )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
+
+
+async def test_in_place_swaps_on_real_pods_and_weights_that_fail_their_check_stop_the_rollout(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    second = readable(make_tiny_model(models.parent / "second", seed=1))  # the same shapes
+    poisoned_copy(second, models.parent / "poisoned")
+    manifest = e2e.tiny_cpu_example(
+        models, replicas=2, health=HEALTH, rollout={"inPlaceWeightSwap": True, "drainTimeoutSeconds": 30}
+    )
+    manifest["spec"]["model"]["name"] = "tiny"
+    mount = manifest["spec"]["model"]["volume"]["mountPath"]
+    launchers = [naming.launcher_pod_name("tiny", index) for index in (0, 1)]
+
+    async def patch_model(path: str) -> None:
+        patch = {"spec": {"model": {"path": path}}}
+        await cluster.kubectl("patch", "llmd", "tiny", "--type=merge", "-p", yaml.safe_dump(patch))
+
+    def pod_uids() -> dict[str, str]:
+        return {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.objects("v1/pods")}
+
+    def both_ready() -> bool:
+        worlds = llmd.status().get("worlds") or []
+        return len(worlds) == 2 and all(world.get("phase") == "Ready" for world in worlds)
+
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+        await llmd.wait(both_ready, START_TIMEOUT, "both worlds Ready")
+        before = await answer(llmd, 0)
+        uids = pod_uids()
+        assert set(launchers) <= set(uids)
+        engines = {name: kubelet.processes(name, "launcher") for name in launchers}
+
+        # 1. Other weights of the same shapes: each world sleeps and wakes onto them in place.
+        await patch_model(f"{mount}/second")
+
+        def swapped() -> bool:
+            rollout = llmd.status().get("rollout") or {}
+            worlds = llmd.status().get("worlds") or []
+            return (
+                bool(rollout.get("complete"))
+                and rollout.get("done") == [0, 1]
+                and both_ready()
+                and all(
+                    str(world.get("modelRevision", "")).startswith(f"{mount}/second@") for world in worlds
+                )
+            )
+
+        await llmd.wait(swapped, START_TIMEOUT, "the swap rolled out")
+        served = [await answer(llmd, index) for index in (0, 1)]
+        assert pod_uids() == uids and llmd.events("WorldReplaced") == []
+        assert {name: kubelet.processes(name, "launcher") for name in launchers} == engines
+        assert len(llmd.executions("launcher")) == 2  # no launcher ran again
+        assert len(llmd.events("WeightsSwapped")) == 2
+
+        # 2. Weights whose logits are not finite: world 0's wakeup fails its check, the world
+        # restarts onto them and cannot serve them either; the rollout stops at world 0.
+        await patch_model(f"{mount}/poisoned")
+        await llmd.wait(lambda: (llmd.status().get("rollout") or {}).get("failed"), START_TIMEOUT, "stopped")
+        deployment = llmd.get()
+        status = deployment["status"]
+        world0, world1 = llmd.world(0), llmd.world(1)
+        world1_pods = {name: uid for name, uid in pod_uids().items() if name.startswith("tiny-w1")}
+        still_serving = await answer(llmd, 1)
+
+    expected_second = greedy_text(second)
+    assert served == [expected_second, expected_second] and before != expected_second
+    assert status["rollout"]["failed"]["world"] == 0, status["rollout"]
+    assert "world 0" in status["rollout"]["failed"]["message"]
+    assert world0["phase"] == "Failed" and "not finite" in world0.get("lastEngineError", ""), world0
+    assert any("world 0" in message for message in llmd.events("RolloutFailed"))
+    assert llmd.events("WeightSwapFailed") and "not finite" in llmd.events("WeightSwapFailed")[0]
+    # World 1 was never taken: the same pods, ready, still on the weights it had.
+    assert world1["phase"] == "Ready" and str(world1["modelRevision"]).startswith(f"{mount}/second@")
+    assert world1_pods == {name: uid for name, uid in uids.items() if name.startswith("tiny-w1")}
+    assert still_serving == expected_second
+    assert argocd_health(deployment)["status"] == "Degraded"
+
+
+async def test_a_rolling_change_on_real_pods_replaces_one_drained_world_at_a_time(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    manifest = e2e.tiny_cpu_example(models, replicas=2, health=HEALTH, rollout={"drainTimeoutSeconds": 30})
+    manifest["spec"]["model"]["name"] = "tiny"
+    launchers = [naming.launcher_pod_name("tiny", index) for index in (0, 1)]
+    seen: list[list[bool]] = []
+
+    def sample() -> None:
+        worlds = [w for w in llmd.status().get("worlds") or [] if w.get("phase") != "Retiring"]
+        seen.append([bool(w.get("ready")) for w in worlds])
+
+    def launcher_uids() -> list[str | None]:
+        return [llmd.pod(name).get("metadata", {}).get("uid") for name in launchers]
+
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+        await llmd.wait(lambda: llmd.status().get("readyReplicas") == 2, START_TIMEOUT, "both worlds Ready")
+        before = await answer(llmd, 0)
+        old = launcher_uids()
+        async with sampling(sample, 0.02):
+            patch = {"spec": {"env": [{"name": "BERTH_ROLLOUT_TEST", "value": "2"}]}}
+            await cluster.kubectl("patch", "llmd", "tiny", "--type=merge", "-p", yaml.safe_dump(patch))
+
+            def rolled_out() -> bool:
+                rollout = llmd.status().get("rollout") or {}
+                uids = launcher_uids()
+                return (
+                    bool(rollout.get("complete"))
+                    and rollout.get("done") == [0, 1]
+                    and llmd.status().get("readyReplicas") == 2
+                    and all(uid not in (None, *old) for uid in uids)
+                )
+
+            await llmd.wait(rolled_out, START_TIMEOUT, "the rollout complete")
+        after = [await answer(llmd, index) for index in (0, 1)]
+        launcher_runs = llmd.executions("launcher")
+
+    assert after == [before, before]
+    # At most one world out of service at any time, and each was taken in turn.
+    assert all(ready.count(False) <= 1 for ready in seen if len(ready) == 2), [
+        ready for ready in seen if ready.count(False) > 1
+    ]
+    assert [False, True] in seen and [True, False] in seen
+    assert sorted(llmd.events("WorldReplaced")) == [
+        "world 0 replaced: its launcher pod spec changed",
+        "world 1 replaced: its launcher pod spec changed",
+    ]
+    drained = [m for m in llmd.events("WorldAsleep") if m.endswith("(rollout)")]
+    assert len(drained) == 2, drained
+    # Each old launcher ran `berth launch` to its end: parked by the drain, then SIGTERM, exit 0.
+    assert len(launcher_runs) == 4
+    assert [run.exit_code for run in launcher_runs[:2]] == [0, 0], launcher_runs[:2]
