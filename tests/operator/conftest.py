@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `tests.support` (tests/ is not a package)
 
+from tests.support import e2e  # noqa: E402
 from tests.support.cluster import Cluster, ClusterSim, running_cluster  # noqa: E402
 from tests.support.engine_endpoint import EngineFleet  # noqa: E402
 from tests.support.image import Image, build_image  # noqa: E402
@@ -69,3 +70,9 @@ async def controllers(cluster: Cluster, kubelet: Kubelet) -> AsyncIterator[Clust
     """The StatefulSet and Deployment controllers and the garbage collector, with the real kubelet."""
     async with ClusterSim(cluster, fake_kubelet=False).running() as sim:
         yield sim
+
+
+@pytest.fixture
+def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint, readable by the pods' non-root user (for the test kubelet's pods)."""
+    return e2e.shareable_copy(tiny_model, tmp_path_factory.mktemp("models"))

@@ -1,6 +1,10 @@
 """Rollouts on real pods: the operator, the cluster's controllers and the test kubelet running
 every rendered command (tests/support/e2e.py), two worlds of one rank each.
 
+`spec.sleep` puts both worlds to sleep in their processes (Argo CD: Suspended, out of the
+Service) and wakes them (Healthy, the same processes). `kubectl scale` to 1 drains world 1: a
+streamed request in flight there ends in full before its pods go.
+
 A spec change that needs new pods drains world 0 (its launcher parks, then ends with exit 0),
 replaces its pods, and takes world 1 only once the new world 0 is Ready: never both out of
 service (from the statuses recorded all along); both end on new pods that serve.
@@ -13,12 +17,14 @@ and world 1 is never taken: the same pods, still serving the weights it had.
 
 from __future__ import annotations
 
-import os
+import asyncio
+import json
 import shutil
+import time
 from pathlib import Path
 
 import httpx
-import pytest
+import psutil
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
@@ -32,30 +38,9 @@ from tests.support.argocd_health import argocd_health
 from tests.support.cluster import Cluster, sampling
 from tests.support.kubelet import Kubelet
 
-HEALTH = dict(
-    intervalSeconds=1,
-    timeoutSeconds=1,
-    maxRestarts=1,
-    backoffSeconds=1,
-    maxBackoffSeconds=1,
-    startupTimeoutSeconds=120,
-)
+HEALTH = e2e.FAST_HEALTH
 START_TIMEOUT = 150.0
 PROMPT, MAX_TOKENS = "the quick brown fox", 8
-
-
-@pytest.fixture
-def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint, readable by the pods' non-root user."""
-    return e2e.shareable_copy(tiny_model, tmp_path_factory.mktemp("models"))
-
-
-def readable(path: Path) -> Path:
-    for directory, _, files in os.walk(path):
-        os.chmod(directory, 0o755)
-        for name in files:
-            os.chmod(Path(directory) / name, 0o644)
-    return path
 
 
 def poisoned_copy(model: Path, target: Path) -> Path:
@@ -65,7 +50,7 @@ def poisoned_copy(model: Path, target: Path) -> Path:
     name = next(key for key in weights if key.endswith("mlp.down_proj.weight"))
     weights[name][0, 0] = float("nan")
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    return readable(target)
+    return e2e.readable(target)
 
 
 def greedy_text(model: Path) -> str:
@@ -73,6 +58,21 @@ def greedy_text(model: Path) -> str:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     tokens, _ = hf_greedy(hf, tokenizer(PROMPT)["input_ids"], MAX_TOKENS)
     return tokenizer.decode(tokens)
+
+
+def engine_ranks(kubelet: Kubelet) -> dict[str, list[int]]:
+    """Per worker pod, the PIDs of the engine's rank (mpirun's, under the pod's sshd)."""
+    ranks = {}
+    for name in ("tiny-w0-0", "tiny-w1-0"):
+        pids = []
+        for pid in kubelet.processes(name):
+            try:
+                if "berth.engine.executor.worker" in " ".join(psutil.Process(pid).cmdline()):
+                    pids.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        ranks[name] = pids
+    return ranks
 
 
 async def answer(llmd: e2e.Deployed, index: int) -> str:
@@ -90,7 +90,7 @@ async def answer(llmd: e2e.Deployed, index: int) -> str:
 async def test_in_place_swaps_on_real_pods_and_weights_that_fail_their_check_stop_the_rollout(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
-    second = readable(make_tiny_model(models.parent / "second", seed=1))  # the same shapes
+    second = e2e.readable(make_tiny_model(models.parent / "second", seed=1))  # the same shapes
     poisoned_copy(second, models.parent / "poisoned")
     manifest = e2e.tiny_cpu_example(
         models, replicas=2, health=HEALTH, rollout={"inPlaceWeightSwap": True, "drainTimeoutSeconds": 30}
@@ -115,7 +115,8 @@ async def test_in_place_swaps_on_real_pods_and_weights_that_fail_their_check_sto
         before = await answer(llmd, 0)
         uids = pod_uids()
         assert set(launchers) <= set(uids)
-        engines = {name: kubelet.processes(name, "launcher") for name in launchers}
+        engines = engine_ranks(kubelet)
+        assert all(len(pids) == 1 for pids in engines.values()), engines
 
         # 1. Other weights of the same shapes: each world sleeps and wakes onto them in place.
         await patch_model(f"{mount}/second")
@@ -135,7 +136,7 @@ async def test_in_place_swaps_on_real_pods_and_weights_that_fail_their_check_sto
         await llmd.wait(swapped, START_TIMEOUT, "the swap rolled out")
         served = [await answer(llmd, index) for index in (0, 1)]
         assert pod_uids() == uids and llmd.events("WorldReplaced") == []
-        assert {name: kubelet.processes(name, "launcher") for name in launchers} == engines
+        assert engine_ranks(kubelet) == engines
         assert len(llmd.executions("launcher")) == 2  # no launcher ran again
         assert len(llmd.events("WeightsSwapped")) == 2
 
@@ -215,3 +216,84 @@ async def test_a_rolling_change_on_real_pods_replaces_one_drained_world_at_a_tim
     # Each old launcher ran `berth launch` to its end: parked by the drain, then SIGTERM, exit 0.
     assert len(launcher_runs) == 4
     assert [run.exit_code for run in launcher_runs[:2]] == [0, 0], launcher_runs[:2]
+
+
+async def test_sleep_wake_and_a_scale_down_that_drains_on_real_pods(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    manifest = e2e.tiny_cpu_example(models, replicas=2, health=HEALTH)
+    manifest["spec"]["model"]["name"] = "tiny"
+    launchers = [naming.launcher_pod_name("tiny", index) for index in (0, 1)]
+
+    async def patch_spec(spec: dict) -> None:
+        await cluster.kubectl("patch", "llmd", "tiny", "--type=merge", "-p", yaml.safe_dump({"spec": spec}))
+
+    def health() -> str:
+        return argocd_health(llmd.get())["status"] if llmd.get() else ""
+
+    def phases() -> list[str]:
+        return [world.get("phase", "") for world in llmd.status().get("worlds") or []]
+
+    async def ready_code(index: int) -> int:
+        ip = llmd.pod_status(launchers[index])["podIP"]
+        async with httpx.AsyncClient() as client:
+            return (await client.get(f"http://{ip}:{naming.ENGINE_PORT}/ready", timeout=5)).status_code
+
+    async def streamed_on_world_1(started: asyncio.Event) -> tuple[list[dict], float]:
+        """A long streamed completion on world 1: every chunk, and when the last one came."""
+        ip = llmd.pod_status(launchers[1])["podIP"]
+        request = {"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        chunks = []
+        async with httpx.AsyncClient() as client:
+            url = f"http://{ip}:{naming.ENGINE_PORT}/v1/completions"
+            async with client.stream("POST", url, json=request, timeout=120) as reply:
+                assert reply.status_code == 200
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks.append(json.loads(line[len("data: ") :]))
+                        started.set()
+        return chunks, time.monotonic()
+
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+        await llmd.wait(lambda: health() == "Healthy", START_TIMEOUT, "Healthy")
+        before = await answer(llmd, 0)
+        engines = engine_ranks(kubelet)
+        assert all(len(pids) == 1 for pids in engines.values()), engines
+
+        await patch_spec({"sleep": {"sleeping": True, "level": 1}})
+        await llmd.wait(lambda: health() == "Suspended", START_TIMEOUT, "Suspended")
+        asleep = llmd.status()
+        asleep_ready = [await ready_code(index) for index in (0, 1)]
+        await llmd.wait(lambda: not llmd.endpoints(), 30, "both worlds out of the Service")
+
+        await patch_spec({"sleep": {"sleeping": False}})
+        await llmd.wait(lambda: health() == "Healthy", START_TIMEOUT, "Healthy after the wakeup")
+        awake = [await answer(llmd, index) for index in (0, 1)]
+        woken_engines = engine_ranks(kubelet)
+
+        started = asyncio.Event()
+        stream = asyncio.ensure_future(streamed_on_world_1(started))
+        await asyncio.wait_for(started.wait(), 30)
+        await cluster.kubectl("scale", "llmd/tiny", "--replicas=1")
+        scaled = time.monotonic()
+        gone_at: list[float] = []
+
+        def world_1_gone() -> bool:
+            if not gone_at and not llmd.pod(launchers[1]):
+                gone_at.append(time.monotonic())
+            return bool(gone_at) and phases() == ["Ready"]
+
+        chunks, ended = await asyncio.wait_for(stream, 120)
+        await llmd.wait(world_1_gone, 60, "world 1 removed")
+        pods = sorted(pod["metadata"]["name"] for pod in cluster.objects("v1/pods"))
+
+    assert asleep["phase"] == "Sleeping" and [w["admission"] for w in asleep["worlds"]] == ["parked"] * 2
+    assert asleep_ready == [503, 503]
+    assert awake == [before, before] and woken_engines == engines  # woken in the same processes
+    # The streamed request was in flight when the scale-down came, and ended in full first.
+    assert scaled < ended <= gone_at[0]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for chunk in chunks if chunk["choices"][0]["text"]) >= 1
+    assert llmd.events("WorldRemoved") == ["world 1 removed: replicas is 1"]
+    assert len(llmd.events("WorldDraining")) == 1
+    assert pods == ["tiny-w0-0", "tiny-w0-launcher"]

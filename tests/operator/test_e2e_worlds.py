@@ -27,7 +27,6 @@ from pathlib import Path
 
 import httpx
 import psutil
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,21 +38,8 @@ from tests.support.kubelet import NODE_NAME, Kubelet
 from tests.support.pod_state import processes_in
 
 # A tiny world: two CPU ranks, fast polls, a small restart budget (the launcher cannot start).
-HEALTH = dict(
-    intervalSeconds=1,
-    timeoutSeconds=1,
-    maxRestarts=1,
-    backoffSeconds=1,
-    maxBackoffSeconds=1,
-    startupTimeoutSeconds=120,
-)
+HEALTH = e2e.FAST_HEALTH
 START_TIMEOUT = 120.0
-
-
-@pytest.fixture
-def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint, readable by the pods' non-root user."""
-    return e2e.shareable_copy(tiny_model, tmp_path_factory.mktemp("models"))
 
 
 async def test_the_rendered_pods_run_and_a_launcher_that_cannot_start_is_visible(

@@ -33,6 +33,15 @@ from tests.support.pod_state import Execution
 REPO = Path(__file__).resolve().parents[2]
 CPU_EXAMPLE = REPO / "manifests" / "examples" / "llmdeployment-cpu.yaml"
 LLMD = "berth.dev/v1alpha1/llmdeployments"
+# Fast polls and a small restart budget: a world that fails is given up on within seconds.
+FAST_HEALTH = dict(
+    intervalSeconds=1,
+    timeoutSeconds=1,
+    maxRestarts=1,
+    backoffSeconds=1,
+    maxBackoffSeconds=1,
+    startupTimeoutSeconds=120,
+)
 
 
 def shareable_copy(model: Path, into: Path) -> Path:
@@ -40,11 +49,17 @@ def shareable_copy(model: Path, into: Path) -> Path:
     directories are private to root, as a node's files may be to its pods)."""
     target = into / model.name
     shutil.copytree(model, target)
-    for directory, _, files in os.walk(into):
+    readable(into)
+    return target
+
+
+def readable(path: Path) -> Path:
+    """`path` and everything under it readable by every user (the pods' user among them)."""
+    for directory, _, files in os.walk(path):
         os.chmod(directory, 0o755)
         for name in files:
             os.chmod(Path(directory) / name, 0o644)
-    return target
+    return path
 
 
 def tiny_cpu_example(model: Path, **spec: Any) -> dict[str, Any]:
