@@ -110,6 +110,14 @@ def test_argocd_cm_patch_carries_the_same_script(key: str) -> None:
     assert patch["data"][key] == SCRIPT
 
 
-def test_example_application_points_at_argocd() -> None:
+def test_example_application_points_at_argocd_and_leaves_replicas_to_kubectl_scale() -> None:
     app = yaml.safe_load((ARGOCD / "application.yaml").read_text())
     assert app["kind"] == "Application" and app["spec"]["syncPolicy"]["automated"]["selfHeal"] is True
+    # `kubectl scale` / an HPA owns replicas once the object exists: neither drift nor a sync's
+    # write-back (RespectIgnoreDifferences), or self-heal would undo every scale.
+    assert {
+        "group": "berth.dev",
+        "kind": "LLMDeployment",
+        "jsonPointers": ["/spec/replicas"],
+    } in app["spec"]["ignoreDifferences"]
+    assert "RespectIgnoreDifferences=true" in app["spec"]["syncPolicy"]["syncOptions"]
