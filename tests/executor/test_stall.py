@@ -126,6 +126,31 @@ def test_stall_timeouts_are_checked_and_the_first_step_gets_longer():
             EngineConfig(model="m", **bad)
 
 
+def test_the_first_step_after_load_gets_the_longer_bound(tiny_model):
+    """A worker stopped before its first step: silent for three stall timeouts, it is still given
+    the first step's bound, and is declared stalled only past it, saying which bound it broke."""
+    first_step = 6.0
+    llm = LLM(
+        tiny_model, executor="proxy", **(ENGINE | {"stall_timeout": 1.0, "first_step_timeout": first_step})
+    )
+    pid = llm.executor.engine_pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        result = llm.generate_async([5, 6, 7], LONG)
+        time.sleep(3.0)
+        assert llm.check_health(), llm.executor.fatal_error
+        waited = call_with_timeout(lambda: expect_dead_within(result, stopped_at, first_step), 30)
+        assert first_step - 0.5 <= waited < first_step + 5, waited
+        message = str(llm.executor.fatal_error)
+        assert message.startswith(
+            f"stalled: the first step after load or wakeup did not complete in {first_step:g} s"
+        )
+    finally:
+        resume(pid)
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("executor", ["proxy", "in-process"])
 def test_a_load_reports_its_progress_and_checks_the_model_before_it_serves(tiny_model, executor):
     seen: list = []
