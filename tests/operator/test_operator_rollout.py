@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import torch
 import yaml
+from prometheus_client import REGISTRY
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from berth.engine.models.tiny_model import make_tiny_model
@@ -89,6 +90,15 @@ async def recorded_statuses(cluster: Cluster) -> AsyncIterator[list[list[bool]]]
 
     async with sampling(sample, 0.02):
         yield seen
+
+
+def rollout_gauge() -> tuple[float, ...]:
+    """berth_operator_rollout_worlds for the deployment: (done, in_flight, waiting)."""
+    labels = {"namespace": "default", "deployment": "llama"}
+    return tuple(
+        REGISTRY.get_sample_value("berth_operator_rollout_worlds", {**labels, "state": state}) or 0.0
+        for state in ("done", "in_flight", "waiting")
+    )
 
 
 def ready_endpoints(fleet: EngineFleet) -> list[EngineEndpoint]:
@@ -186,13 +196,17 @@ async def test_a_rolling_change_drains_one_world_at_a_time_and_fails_no_request(
             assert "complete" not in under_way, under_way  # the last rollout's word went with it
             healths: list[tuple[str, bool]] = []
 
-            def judged() -> bool:  # what Argo CD says at each poll, until the rollout completes
+            gauges: list[tuple[float, ...]] = []
+
+            def judged() -> bool:  # what Argo CD and the metric say at each poll, until complete
                 current = llmd(cluster)
                 complete = bool(((current.get("status") or {}).get("rollout") or {}).get("complete"))
                 healths.append((argocd_health(current)["status"], complete))
+                gauges.append(rollout_gauge())
                 return rollout_complete(cluster)
 
             await wait_for(judged, ROLLOUT_TIMEOUT, "the rollout complete")
+            await wait_for(lambda: rollout_gauge() == (2.0, 0.0, 0.0), 10, "the rollout metric: both done")
             await wait_for(lambda: tally["ok"] >= 5 + 10, 30, "answers after the rollout")
         assert argocd_health(llmd(cluster))["status"] == "Healthy"
 
@@ -200,6 +214,8 @@ async def test_a_rolling_change_drains_one_world_at_a_time_and_fails_no_request(
     # Never Healthy before the rollout completed, even while both worlds were ready between two.
     assert [h for h, complete in healths if not complete and h == "Healthy"] == [], healths
     assert ("Progressing", False) in healths
+    # The rollout metric followed it: world 0 in flight with world 1 waiting (both done, above).
+    assert (0.0, 1.0, 1.0) in gauges, gauges
     # At most one world out of service at any time, and the rollout took both in turn.
     assert all(ready.count(False) <= 1 for ready in seen if len(ready) == 2), [
         r for r in seen if r.count(False) > 1
