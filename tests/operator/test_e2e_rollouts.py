@@ -3,7 +3,9 @@ every rendered command (tests/support/e2e.py), two worlds of one rank each.
 
 `spec.sleep` puts both worlds to sleep in their processes (Argo CD: Suspended, out of the
 Service) and wakes them (Healthy, the same processes). `kubectl scale` to 1 drains world 1: a
-streamed request in flight there ends in full before its pods go.
+streamed request in flight there ends in full before its pods go. A sleep schedule (the
+operator's clock shifted to just before its times) parks the world at its time and wakes it at
+the next, in the same engine rank: Healthy in Argo CD while asleep on schedule.
 
 A spec change that needs new pods drains world 0 (its launcher parks, then ends with exit 0),
 replaces its pods, and takes world 1 only once the new world 0 is Ready: never both out of
@@ -18,6 +20,7 @@ and world 1 is never taken: the same pods, still serving the weights it had.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import shutil
 import time
@@ -37,6 +40,7 @@ from tests.support import e2e
 from tests.support.argocd_health import argocd_health
 from tests.support.cluster import Cluster, sampling
 from tests.support.kubelet import Kubelet
+from tests.support.operator_runner import ShiftedClock
 
 HEALTH = e2e.FAST_HEALTH
 START_TIMEOUT = 150.0
@@ -60,10 +64,12 @@ def greedy_text(model: Path) -> str:
     return tokenizer.decode(tokens)
 
 
-def engine_ranks(kubelet: Kubelet) -> dict[str, list[int]]:
+def engine_ranks(
+    kubelet: Kubelet, pods: tuple[str, ...] = ("tiny-w0-0", "tiny-w1-0")
+) -> dict[str, list[int]]:
     """Per worker pod, the PIDs of the engine's rank (mpirun's, under the pod's sshd)."""
     ranks = {}
-    for name in ("tiny-w0-0", "tiny-w1-0"):
+    for name in pods:
         pids = []
         for pid in kubelet.processes(name):
             try:
@@ -297,3 +303,44 @@ async def test_sleep_wake_and_a_scale_down_that_drains_on_real_pods(
     assert llmd.events("WorldRemoved") == ["world 1 removed: replicas is 1"]
     assert len(llmd.events("WorldDraining")) == 1
     assert pods == ["tiny-w0-0", "tiny-w0-launcher"]
+
+
+async def test_a_sleep_schedule_parks_and_wakes_a_real_world_at_its_times(
+    cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
+) -> None:
+    clock = ShiftedClock()
+    night = dt.datetime(2026, 6, 1, 20, 0, tzinfo=dt.timezone.utc)  # 22:00 in Berlin (CEST)
+    morning = dt.datetime(2026, 6, 2, 4, 0, tzinfo=dt.timezone.utc)
+    schedules = [
+        {"name": "night", "cron": "0 22 * * *", "timezone": "Europe/Berlin", "action": "Sleep", "level": 1},
+        {"name": "morning", "cron": "0 6 * * *", "timezone": "Europe/Berlin", "action": "Wake"},
+    ]
+    manifest = e2e.tiny_cpu_example(models, health=HEALTH)
+    manifest["spec"]["model"]["name"] = "tiny"
+    clock.set(night - dt.timedelta(hours=1))
+
+    def condition(kind: str) -> str:
+        return llmd.condition(kind).get("status", "")
+
+    async with e2e.deployed(cluster, kubelet, manifest, tmp_path, clock=clock) as llmd:
+        await llmd.wait(lambda: llmd.world().get("phase") == "Ready", START_TIMEOUT, "the world Ready")
+        before = await answer(llmd, 0)
+        (engine,) = engine_ranks(kubelet, ("tiny-w0-0",))["tiny-w0-0"]
+        clock.set(night - dt.timedelta(seconds=3))
+        patch = {"spec": {"sleepSchedules": schedules}}
+        await cluster.kubectl("patch", "llmd", "tiny", "--type=merge", "-p", yaml.safe_dump(patch))
+        await llmd.wait(lambda: llmd.world().get("admission") == "parked", START_TIMEOUT, "parked at night")
+        await llmd.wait(lambda: condition("Sleeping") == "True", 30, "Sleeping")
+        asleep = llmd.get()
+
+        clock.set(morning - dt.timedelta(seconds=3))
+        await llmd.wait(lambda: condition("Ready") == "True", START_TIMEOUT, "awake in the morning")
+        after = await answer(llmd, 0)
+        ranks = engine_ranks(kubelet, ("tiny-w0-0",))["tiny-w0-0"]
+
+    fired = asleep["status"]["sleepSchedule"]["lastFiring"]
+    assert (fired["schedule"], fired["time"]) == ("night", "2026-06-01T20:00:00.000000Z")
+    assert argocd_health(asleep)["status"] == "Healthy"  # asleep as planned
+    assert "by schedule night" in argocd_health(asleep)["message"]
+    assert after == before and ranks == [engine]  # woken in the same engine process
+    assert len(llmd.events("WorldAsleep")) == 1 and len(llmd.events("WorldAwake")) == 1

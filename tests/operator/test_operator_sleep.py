@@ -15,7 +15,7 @@ from berth.operator.restarts import parse_time
 from tests.support.argocd_health import argocd_health
 from tests.support.cluster import Cluster, ClusterSim, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
-from tests.support.operator_runner import running_operator
+from tests.support.operator_runner import ShiftedClock, running_operator
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
 EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "llmdeployment.yaml"
@@ -146,20 +146,6 @@ async def test_manual_sleep_is_suspended_then_wakes_healthy_in_the_same_processe
         "message": f"Waiting for the operator to report on generation {generation + 1}",
     }
     assert argocd_health(asleep_object) == {"status": "Suspended", "message": sleeping_message}
-
-
-class ShiftedClock:
-    """Real time plus an offset the test sets: the operator's schedules see the shifted time, and
-    its waits are real seconds (the offset is constant between two shifts)."""
-
-    def __init__(self) -> None:
-        self.offset = dt.timedelta(0)
-
-    def __call__(self) -> dt.datetime:
-        return dt.datetime.now(dt.timezone.utc) + self.offset
-
-    def set(self, when: dt.datetime) -> None:
-        self.offset = when - dt.datetime.now(dt.timezone.utc)
 
 
 async def test_a_schedule_fires_at_its_time_not_a_poll_later(

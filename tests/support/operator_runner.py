@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -57,3 +58,17 @@ async def running_operator(
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+class ShiftedClock:
+    """Real time plus an offset the test sets: the operator's schedules see the shifted time, and
+    its waits are real seconds (the offset is constant between two shifts)."""
+
+    def __init__(self) -> None:
+        self.offset = dt.timedelta(0)
+
+    def __call__(self) -> dt.datetime:
+        return dt.datetime.now(dt.timezone.utc) + self.offset
+
+    def set(self, when: dt.datetime) -> None:
+        self.offset = when - dt.datetime.now(dt.timezone.utc)
