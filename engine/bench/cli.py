@@ -31,9 +31,10 @@ def run(args: argparse.Namespace) -> NoReturn:
     """Runs the benchmark, then ends the process without the interpreter's teardown.
 
     Every benchmark has stopped what it started (servers, engines, worlds) and printed its
-    report by the time it returns. Twice in CI a complete report was followed by SIGABRT in
-    teardown ("terminate called without an active exception": native code aborting while the
-    interpreter finalizes; the cause is not found): the report is not to be failed by that."""
+    report by the time it returns. Twice, in full test runs, a complete report was followed by
+    SIGABRT in teardown ("terminate called without an active exception": native code aborting
+    while the interpreter finalizes; the cause is not found): the report is not to be failed by
+    that."""
     code = int(importlib.import_module(args._module).run(args) or 0)
     sys.stdout.flush()
     sys.stderr.flush()

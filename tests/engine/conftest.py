@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from berth.engine import LLM
 
@@ -63,3 +65,14 @@ def check_against_reference(ours, theirs, hf_logprobs: torch.Tensor) -> None:
         assert gap < TIE_TOLERANCE, f"step {step}: berth {mine} vs transformers {ref}, not a tie ({gap})"
         return
     assert len(ours) == len(theirs), f"berth made {len(ours)} tokens, transformers {len(theirs)}"
+
+
+def poisoned_copy(model: Path, target: Path) -> Path:
+    """A copy of `model` that loads (right names, shapes, dtypes) with one weight NaN: every
+    forward gives logits that are not finite."""
+    shutil.copytree(model, target)
+    weights = load_file(target / "model.safetensors")
+    name = next(key for key in weights if key.endswith("mlp.down_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target

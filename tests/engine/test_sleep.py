@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from berth.engine.config import EngineConfig
 from berth.engine.engine_io import GenerationRequest, Sleep, TransitionResult, Wakeup
@@ -19,6 +18,7 @@ from berth.engine.models.tiny_model import make_tiny_model
 from berth.engine.pyexecutor.py_executor import PyExecutor
 from berth.engine.pyexecutor.request_queue import AdmissionState
 from berth.engine.sampling_params import SamplingParams
+from tests.engine.conftest import poisoned_copy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 ENDLESS = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
@@ -177,12 +177,7 @@ def test_a_wakeup_that_cannot_restore_the_engine_leaves_it_failed(tiny_model, tm
 def test_a_wakeup_with_poisoned_weights_fails_its_check_and_the_engine(tiny_model, tmp_path):
     """Weights that load (right names, shapes, dtypes) but hold NaN: the one-token check after
     the wakeup finds the logits not finite, and the engine is FAILED instead of serving NaN."""
-    poisoned = tmp_path / "poisoned"
-    shutil.copytree(tiny_model, poisoned)
-    weights = load_file(poisoned / "model.safetensors")
-    name = next(key for key in weights if key.endswith("mlp.down_proj.weight"))
-    weights[name][0, 0] = float("nan")
-    save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
+    poisoned = poisoned_copy(tiny_model, tmp_path / "poisoned")
     engine = make_engine(tiny_model)
     transition(engine, Sleep(level=1))
     engine.request_queue.enqueue_control(Wakeup(model=str(poisoned)))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -30,12 +29,11 @@ import httpx
 import psutil
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from berth.engine.models.tiny_model import make_tiny_model
 from berth.operator import naming
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy, poisoned_copy
 from tests.support import e2e
 from tests.support.argocd_health import argocd_health
 from tests.support.cluster import Cluster, sampling
@@ -45,16 +43,6 @@ from tests.support.operator_runner import ShiftedClock
 HEALTH = e2e.FAST_HEALTH
 START_TIMEOUT = 150.0
 PROMPT, MAX_TOKENS = "the quick brown fox", 8
-
-
-def poisoned_copy(model: Path, target: Path) -> Path:
-    """The same shapes, one weight NaN: every forward gives logits that are not finite."""
-    shutil.copytree(model, target)
-    weights = load_file(target / "model.safetensors")
-    name = next(key for key in weights if key.endswith("mlp.down_proj.weight"))
-    weights[name][0, 0] = float("nan")
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    return e2e.readable(target)
 
 
 def greedy_text(model: Path) -> str:
@@ -97,7 +85,7 @@ async def test_in_place_swaps_on_real_pods_and_weights_that_fail_their_check_sto
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
     second = e2e.readable(make_tiny_model(models.parent / "second", seed=1))  # the same shapes
-    poisoned_copy(second, models.parent / "poisoned")
+    e2e.readable(poisoned_copy(second, models.parent / "poisoned"))
     manifest = e2e.tiny_cpu_example(
         models, replicas=2, health=HEALTH, rollout={"inPlaceWeightSwap": True, "drainTimeoutSeconds": 30}
     )
