@@ -218,7 +218,10 @@ def test_a_frontend_that_closes_aborts_its_own_requests_only(world):
     [other] = theirs.outcome
     assert not isinstance(other, BaseException), other
     assert other["finish_reason"] == "length" and other["tokens"] == LONG
-    assert re.search(r"frontend \d+ \(.*\) is gone \(it detached\): aborted its 3 requests", owner.output)
+    # Its Detach, or the closed connection when the owner's next token for it was refused first
+    # (the router forgets a peer's route at the close, before it has read the peer's last message).
+    gone = r"frontend \d+ \(.*\) is gone \((it detached|its connection closed)\): aborted its 3 requests"
+    assert re.search(gone, owner.output), owner.output
 
 
 # ---- the owner sleeps, its frontends follow ----------------------------------------------------
