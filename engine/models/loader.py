@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,9 @@ from tqdm.auto import tqdm
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
+from berth.kernels.cpu_ops import onednn_packs
+
+logger = logging.getLogger(__name__)
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -41,6 +45,16 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def slow_cpu_dtype_warning(dtype: torch.dtype) -> str:
+    # Measured on an AVX2-only EPYC: bfloat16 ran this project's benchmark 5x slower than float32.
+    name = str(dtype).removeprefix("torch.")
+    return (
+        f"dtype {name}: this CPU has no fast {name} matmul (oneDNN's packed GEMMs take float32, "
+        f"and bfloat16 only with AVX-512 or AVX-NE-CONVERT), so every GEMM takes torch's slow "
+        f"path, several times slower than float32; dtype 'auto' (float32 on a CPU) is faster here"
+    )
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -142,9 +156,10 @@ def load_model(
             f"architecture {config.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     device = torch.device(device)
-    model = ARCHITECTURES[config.architecture](
-        config, dtype=resolve_dtype(dtype, config, device), device=device, tp=tp
-    )
+    dtype = resolve_dtype(dtype, config, device)
+    if device.type == "cpu" and dtype != torch.float32 and not onednn_packs(dtype):
+        logger.warning(slow_cpu_dtype_warning(dtype))
+    model = ARCHITECTURES[config.architecture](config, dtype=dtype, device=device, tp=tp)
     model.load_weights(iterate_weights(checkpoint_files(model_dir), _throttled(on_bytes_read)))
     model.pack_weights()
     return model.eval()

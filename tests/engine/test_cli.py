@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def berth(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     # faulthandler: a native abort (seen once: "terminate called without an active exception")
@@ -46,9 +48,15 @@ def test_bench_throughput_reports_both_engines_the_roofline_tpot_and_a_plot(tiny
     assert "dtype bfloat16" in out
     peak = re.search(r"matmul peak \(bfloat16.*\): ([\d.]+) GFLOPS; the workload needs ([\d.]+) TFLOP", out)
     assert peak and float(peak.group(1)) > 0, out
+    again = re.search(r"peak again, after berth's run: ([\d.]+) GFLOPS .* the higher, ([\d.]+)$", out, re.M)
+    used = float(again.group(2)) if again else None
+    assert used == max(float(peak.group(1)), float(again.group(1))), out
     for engine in ("berth", "transformers"):
-        line = re.search(rf"^{engine}:.* ([\d.]+) output tok/s .* ([\d.]+) % of the matmul peak$", out, re.M)
+        line = re.search(rf"^{engine}:.* ([\d.]+) output tok/s +([\d.]+) GFLOPS = +([\d.]+) % of", out, re.M)
         assert line and float(line.group(1)) > 0, out
+        # Both lines are against the higher peak (give or take the printed figures' rounding).
+        expected = 100 * float(line.group(2)) / used
+        assert float(line.group(3)) == pytest.approx(expected, abs=0.06 + 5 / used), out
     assert re.search(r"ratio berth / transformers: \d+\.\d+x", out)
     assert re.search(r"batch-1 TPOT .*: berth [\d.]+ ms, transformers [\d.]+ ms", out)
     assert re.search(r"batch size   1: berth .* tok/s, transformers .* tok/s", out)

@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from berth.engine import LLM, SamplingParams
-from berth.engine.models.loader import load_model
+from berth.engine.models.loader import load_model, slow_cpu_dtype_warning
 from berth.engine.models.tiny_model import make_tiny_model
+from berth.kernels.cpu_ops import onednn_packs
 
 
 def digest(path: Path) -> str:
@@ -64,9 +65,14 @@ def test_qwen2_untied_sharded_layout(tiny_qwen2):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_load_model_in_each_dtype(tiny_model, dtype):
+def test_load_model_in_each_dtype(tiny_model, dtype, caplog):
     model = load_model(tiny_model, dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {dtype}
+    # A dtype this CPU has no fast matmul for loads, and says it will be slow (which branch runs
+    # depends on the machine: bfloat16 warns only where oneDNN cannot pack it).
+    slow = dtype == torch.float16 or (dtype == torch.bfloat16 and not onednn_packs(dtype))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ([slow_cpu_dtype_warning(dtype)] if slow else []), warnings
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.1), ("float16", 0.02)])
