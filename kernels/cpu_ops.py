@@ -5,7 +5,8 @@ the definition of correct, and the tests hold this backend to it):
 
 - Linear layers: oneDNN with weights packed once at load (`pack_linear_weight`), instead of
   torch's default GEMM, which on some CPUs (AMD's, for float32) runs at half their speed and
-  re-lays out bfloat16 weights on every call.
+  re-lays out bfloat16 weights on every call. Where oneDNN has no bfloat16 (AVX2-only CPUs),
+  bfloat16 weights go to a C GEMM (`cpu/gemm.c`) instead of torch's generic loop.
 - Attention: a C kernel (`cpu/paged_attention.c`) that reads each sequence's keys and values
   in place in the paged cache, for every decode and every prompt token of the step in one
   call, instead of gathering the whole context of every sequence into a dense tensor every
@@ -38,7 +39,9 @@ _SIGNATURES = {
     "rotary": [_P, _P, _I, _I, _P, _I, _I, _I, _P, _I, _I],
     "silu_and_mul": [_P, _P, _I, _I],
     "write_kv_cache": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+    "linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I],
 }
+_RETURNS_STATUS = ("paged_attention", "linear")
 
 
 def _c_function(library: str, name: str, dtype: torch.dtype):
@@ -51,7 +54,7 @@ def _c_function(library: str, name: str, dtype: torch.dtype):
     function = getattr(loaded, name if name == "write_kv_cache" else f"{name}_{_SUFFIX[dtype]}")
     if function.argtypes is None:
         function.argtypes = _SIGNATURES[name]
-        function.restype = ctypes.c_int if name == "paged_attention" else None
+        function.restype = ctypes.c_int if name in _RETURNS_STATUS else None
     return function
 
 
@@ -163,11 +166,39 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] re-laid out once for oneDNN's GEMM; None where oneDNN cannot take it."""
-    if weight.device.type != "cpu" or not onednn_packs(weight.dtype):
+def blocked_bf16_gemm():
+    """`cpu/gemm.c`'s bfloat16 GEMM (ctypes), or None where this CPU lacks AVX2 / FMA or there
+    is no C compiler."""
+    library = build.load("gemm")
+    if library is None or not library.gemm_bf16_available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    return _c_function("gemm", "linear", torch.bfloat16)
+
+
+def has_fast_gemm(dtype: torch.dtype) -> bool:
+    """Whether `linear` has a GEMM for `dtype` here that is faster than torch's generic one."""
+    return onednn_packs(dtype) or (dtype == torch.bfloat16 and blocked_bf16_gemm() is not None)
+
+
+# gemm.c's BLOCK: its packed weights hold this many output features per column block.
+GEMM_BLOCK = 16
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] re-laid out once for the fastest GEMM this CPU has for its dtype:
+    oneDNN's own layout, or for bf16 without oneDNN column blocks for `cpu/gemm.c`
+    ([ceil(out / GEMM_BLOCK), in, GEMM_BLOCK], zero-padded); None where neither takes it."""
+    if weight.device.type != "cpu":
+        return None
+    if onednn_packs(weight.dtype):
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    if weight.dtype == torch.bfloat16 and weight.dim() == 2 and blocked_bf16_gemm() is not None:
+        out_features, in_features = weight.shape
+        blocks = -(-out_features // GEMM_BLOCK)
+        padded = weight.detach().new_zeros(blocks * GEMM_BLOCK, in_features)
+        padded[:out_features] = weight.detach()
+        return padded.view(blocks, GEMM_BLOCK, in_features).transpose(1, 2).contiguous()
+    return None
 
 
 # The overload itself: calling through `torch.ops.mkldnn._linear_pointwise` resolves it every time.
@@ -179,7 +210,35 @@ def linear(
 ) -> torch.Tensor:
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
+    if packed.dim() == 3:  # column blocks for gemm.c (oneDNN's packed weights are 2-D)
+        return _blocked_linear(x, weight, bias, packed)
     return _onednn_linear(x, packed, bias, "none", [], "")
+
+
+def _blocked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
+) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    status = _c_function("gemm", "linear", torch.bfloat16)(
+        rows.data_ptr(),
+        rows.stride(0),
+        rows.shape[0],
+        in_features,
+        packed.data_ptr(),
+        out_features,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out_features,
+    )
+    if status != 0:
+        raise MemoryError(f"bf16 GEMM of {rows.shape[0]} x {in_features} x {out_features}: out of memory")
+    return out.view(*x.shape[:-1], out_features)
 
 
 # A prompt (chunk) with more new tokens than this goes to SDPA's flash kernel, which works in

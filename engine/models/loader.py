@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
-from berth.kernels.cpu_ops import onednn_packs
+from berth.kernels.cpu_ops import has_fast_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,14 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
 
 
 def slow_cpu_dtype_warning(dtype: torch.dtype) -> str:
-    # Measured on an AVX2-only EPYC: bfloat16 ran this project's benchmark 5x slower than float32.
+    # Measured on an AVX2-only EPYC: bfloat16 through torch's generic GEMM ran this project's
+    # benchmark 5x slower than float32 (gemm.c is what runs bfloat16 there now).
     name = str(dtype).removeprefix("torch.")
     return (
-        f"dtype {name}: this CPU has no fast {name} matmul (oneDNN's packed GEMMs take float32, "
-        f"and bfloat16 only with AVX-512 or AVX-NE-CONVERT), so every GEMM takes torch's slow "
-        f"path, several times slower than float32; dtype 'auto' (float32 on a CPU) is faster here"
+        f"dtype {name}: this CPU has no fast {name} matmul (oneDNN takes float32, and bfloat16 "
+        f"only with AVX-512 or AVX-NE-CONVERT; berth's own bfloat16 GEMM needs AVX2 and FMA and "
+        f"a C compiler), so every GEMM takes torch's generic path, several times slower than "
+        f"float32; dtype 'auto' (float32 on a CPU) is faster here"
     )
 
 
@@ -157,7 +159,7 @@ def load_model(
         )
     device = torch.device(device)
     dtype = resolve_dtype(dtype, config, device)
-    if device.type == "cpu" and dtype != torch.float32 and not onednn_packs(dtype):
+    if device.type == "cpu" and dtype != torch.float32 and not has_fast_gemm(dtype):
         logger.warning(slow_cpu_dtype_warning(dtype))
     model = ARCHITECTURES[config.architecture](config, dtype=dtype, device=device, tp=tp)
     model.load_weights(iterate_weights(checkpoint_files(model_dir), _throttled(on_bytes_read)))

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from berth.engine import LLM, SamplingParams
 from berth.engine.models.loader import load_model, slow_cpu_dtype_warning
 from berth.engine.models.tiny_model import make_tiny_model
-from berth.kernels.cpu_ops import onednn_packs
+from berth.kernels.cpu_ops import has_fast_gemm
 
 
 def digest(path: Path) -> str:
@@ -69,8 +69,8 @@ def test_load_model_in_each_dtype(tiny_model, dtype, caplog):
     model = load_model(tiny_model, dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {dtype}
     # A dtype this CPU has no fast matmul for loads, and says it will be slow (which branch runs
-    # depends on the machine: bfloat16 warns only where oneDNN cannot pack it).
-    slow = dtype == torch.float16 or (dtype == torch.bfloat16 and not onednn_packs(dtype))
+    # depends on the machine: bfloat16 warns only where neither oneDNN nor gemm.c takes it).
+    slow = dtype == torch.float16 or not has_fast_gemm(dtype)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == ([slow_cpu_dtype_warning(dtype)] if slow else []), warnings
 

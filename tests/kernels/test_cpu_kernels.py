@@ -140,10 +140,70 @@ def test_linear_on_packed_weights_is_a_linear(dtype, rows, bias):
     b = torch.randn(96, generator=generator).to(dtype) if bias else None
     x = torch.randn(rows, 48, generator=generator).to(dtype)
     packed = cpu_ops.pack_linear_weight(weight)
-    # bf16 packs only where the CPU has the instructions (AVX-512 / AMX): elsewhere F.linear.
-    assert (packed is not None) == cpu_ops.onednn_packs(dtype)
+    # bf16 goes to oneDNN where the CPU has the instructions (AVX-512 / AMX), else to gemm.c.
+    assert packed is not None
+    assert (packed.dim() == 3) == (dtype == torch.bfloat16 and not cpu_ops.onednn_packs(dtype))
     atol = 1e-4 if dtype == torch.float32 else 0.1
     close(cpu_ops.linear(x, weight, b, packed), F.linear(x, weight, b), atol=atol, rtol=1e-2)
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((set(line.split()[2:]) for line in cpuinfo if line.startswith("flags")), set())
+
+
+def test_the_bf16_gemm_builds_on_every_cpu_with_avx2_and_fma():
+    expected = {"avx2", "fma"} <= _cpu_flags()
+    assert (cpu_ops.blocked_bf16_gemm() is not None) == expected
+    assert cpu_ops.has_fast_gemm(torch.bfloat16) == (expected or cpu_ops.onednn_packs(torch.bfloat16))
+
+
+def _blocked(weight: torch.Tensor) -> torch.Tensor:
+    """gemm.c's column blocks, asked for directly (on a CPU with oneDNN bf16, `pack_linear_weight`
+    hands oneDNN the weight instead, but the kernel is there and must still be right)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_ops, "onednn_packs", lambda dtype: False)
+        return cpu_ops.pack_linear_weight(weight)
+
+
+@pytest.mark.skipif(cpu_ops.blocked_bf16_gemm() is None, reason="gemm.c needs AVX2 and FMA")
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    # every tile height (1-6, and 19 = 5 + 5 + 5 + 4), several row chunks (48 each), a last
+    # column block that is not full, the model's shapes
+    [
+        *[(1, 96, 48), (2, 100, 48), (3, 17, 5), (4, 33, 64), (5, 16, 1), (6, 48, 7)],
+        *[(19, 960, 576), (100, 77, 96), (64, 576, 1536)],
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_bf16_gemm_is_float32_math_rounded_once(rows, out_features, in_features, bias):
+    """float32 products and sums of the bf16 operands, rounded to bf16 once: off the exact sum
+    by float32's summation error (its order differs from torch's) plus one rounding to bf16."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    # A strided view: every row of x is read through its own stride.
+    x = torch.randn(rows, 2 * in_features, generator=generator).bfloat16()[:, :in_features]
+    packed = _blocked(weight)
+    assert packed.shape == (-(-out_features // cpu_ops.GEMM_BLOCK), in_features, cpu_ops.GEMM_BLOCK)
+    exact = F.linear(x.float(), weight.float(), b.float() if b is not None else None)
+    out = cpu_ops.linear(x, weight, b, packed)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    magnitude = F.linear(x.float().abs(), weight.float().abs(), b.float().abs() if b is not None else None)
+    summation = (in_features + 1) * 2**-24 * magnitude
+    assert ((out.float() - exact).abs() <= summation + 2**-8 * (exact.abs() + summation)).all()
+
+
+@pytest.mark.skipif(cpu_ops.blocked_bf16_gemm() is None, reason="gemm.c needs AVX2 and FMA")
+def test_the_bf16_gemm_takes_leading_dimensions_and_no_rows():
+    weight = torch.randn(40, 24).bfloat16()
+    packed = _blocked(weight)
+    x = torch.randn(2, 3, 24).bfloat16()
+    out = cpu_ops.linear(x, weight, None, packed)
+    assert out.shape == (2, 3, 40)
+    close(out, F.linear(x, weight), atol=0.1, rtol=1e-2)
+    assert cpu_ops.linear(x[:, :0], weight, None, packed).shape == (2, 0, 40)
 
 
 def test_without_a_compiler_everything_falls_back_to_the_reference(monkeypatch, tmp_path):
