@@ -5,8 +5,9 @@ the definition of correct, and the tests hold this backend to it):
 
 - Linear layers: oneDNN with weights packed once at load (`pack_linear_weight`), instead of
   torch's default GEMM, which on some CPUs (AMD's, for float32) runs at half their speed and
-  re-lays out bfloat16 weights on every call. Where oneDNN has no bfloat16 (AVX2-only CPUs),
-  bfloat16 weights go to a C GEMM (`cpu/gemm.c`) instead of torch's generic loop.
+  re-lays out bfloat16 weights on every call; on CPUs with AVX2 but not AVX-512, a C GEMM
+  (`cpu/gemm.c`) instead, which oneDNN has no bfloat16 for at all (torch's fallback is a generic
+  loop) and whose float32 is faster at decode sizes (`gemm_path`).
 - Attention: a C kernel (`cpu/paged_attention.c`) that reads each sequence's keys and values
   in place in the paged cache, for every decode and every prompt token of the step in one
   call, instead of gathering the whole context of every sequence into a dense tensor every
@@ -166,37 +167,48 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def blocked_bf16_gemm():
-    """`cpu/gemm.c`'s bfloat16 GEMM (ctypes), or None where this CPU lacks AVX2 / FMA or there
-    is no C compiler."""
+ONEDNN = "oneDNN, packed weights"
+GEMM_C = "berth's C GEMM, packed weights (gemm.c)"
+
+
+def gemm_path(dtype: torch.dtype) -> str | None:
+    """Which GEMM `linear` runs on weights of `dtype` packed by `pack_linear_weight` on this
+    CPU: `GEMM_C`, `ONEDNN`, or None (not packed: torch's own GEMM).
+
+    gemm.c needs AVX2 and FMA (and a C compiler). It takes bfloat16 where oneDNN has none, and
+    float32 where oneDNN has nothing wider than AVX2 either: there it matches oneDNN at prefill
+    sizes and beats it by a fifth to a third at decode sizes (it streams each weight block once,
+    in the order it multiplies it). With AVX-512, oneDNN's float32 is twice as wide."""
     library = build.load("gemm")
-    if library is None or not library.gemm_bf16_available():
-        return None
-    return _c_function("gemm", "linear", torch.bfloat16)
-
-
-def has_fast_gemm(dtype: torch.dtype) -> bool:
-    """Whether `linear` has a GEMM for `dtype` here that is faster than torch's generic one."""
-    return onednn_packs(dtype) or (dtype == torch.bfloat16 and blocked_bf16_gemm() is not None)
+    blocked = library is not None and library.gemm_available() == 1
+    if dtype == torch.float32 and blocked and library.gemm_f32_preferred() == 1:
+        return GEMM_C
+    if onednn_packs(dtype):
+        return ONEDNN
+    if dtype == torch.bfloat16 and blocked:
+        return GEMM_C
+    return None
 
 
 # gemm.c's BLOCK: its packed weights hold this many output features per column block.
 GEMM_BLOCK = 16
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [out, in] re-laid out once for the fastest GEMM this CPU has for its dtype:
-    oneDNN's own layout, or for bf16 without oneDNN column blocks for `cpu/gemm.c`
-    ([ceil(out / GEMM_BLOCK), in, GEMM_BLOCK], zero-padded); None where neither takes it."""
-    if weight.device.type != "cpu":
+def pack_linear_weight(weight: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
+    """`weight` [out, in] re-laid out once for the GEMM `gemm_path` picks for its dtype (or for
+    `path`): oneDNN's own layout, or column blocks for gemm.c ([ceil(out / GEMM_BLOCK), in,
+    GEMM_BLOCK], transposed, zero-padded); None where neither takes it."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if onednn_packs(weight.dtype):
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-    if weight.dtype == torch.bfloat16 and weight.dim() == 2 and blocked_bf16_gemm() is not None:
+    path = path or gemm_path(weight.dtype)
+    weight = weight.detach()
+    if path == ONEDNN:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    if path == GEMM_C:
         out_features, in_features = weight.shape
         blocks = -(-out_features // GEMM_BLOCK)
-        padded = weight.detach().new_zeros(blocks * GEMM_BLOCK, in_features)
-        padded[:out_features] = weight.detach()
+        padded = weight.new_zeros(blocks * GEMM_BLOCK, in_features)
+        padded[:out_features] = weight
         return padded.view(blocks, GEMM_BLOCK, in_features).transpose(1, 2).contiguous()
     return None
 
@@ -211,11 +223,11 @@ def linear(
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if packed.dim() == 3:  # column blocks for gemm.c (oneDNN's packed weights are 2-D)
-        return _blocked_linear(x, weight, bias, packed)
+        return _gemm_c_linear(x, weight, bias, packed)
     return _onednn_linear(x, packed, bias, "none", [], "")
 
 
-def _blocked_linear(
+def _gemm_c_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
 ) -> torch.Tensor:
     out_features, in_features = weight.shape
@@ -225,7 +237,7 @@ def _blocked_linear(
     if bias is not None:
         bias = bias.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-    status = _c_function("gemm", "linear", torch.bfloat16)(
+    status = _c_function("gemm", "linear", x.dtype)(
         rows.data_ptr(),
         rows.stride(0),
         rows.shape[0],
@@ -237,7 +249,7 @@ def _blocked_linear(
         out_features,
     )
     if status != 0:
-        raise MemoryError(f"bf16 GEMM of {rows.shape[0]} x {in_features} x {out_features}: out of memory")
+        raise MemoryError(f"GEMM of {rows.shape[0]} x {in_features} x {out_features}: out of memory")
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -6,8 +6,8 @@ attention over the positions before it), and the LM head runs once per generated
 recomputation after preemption and the LM head over prompt positions are not counted.
 
 `matmul_peak` times GEMMs of the model's own shapes at a large row count, through each path this
-CPU has (torch's default GEMM, and the one the engine runs: oneDNN on packed weights, or for
-bfloat16 without oneDNN berth's own C GEMM), and takes the fastest: the figure an engine could
+CPU has (torch's default GEMM, and the one the engine runs: oneDNN or berth's own C GEMM on
+packed weights, `cpu_ops.gemm_path`), and takes the fastest: the figure an engine could
 hope for if it did nothing but matmuls.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from berth.engine.bench.workload import WorkItem
 from berth.engine.models.config import ModelConfig
-from berth.kernels.cpu_ops import linear, onednn_packs, pack_linear_weight
+from berth.kernels.cpu_ops import gemm_path, linear, pack_linear_weight
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,15 @@ def matmul_peak(config: ModelConfig, dtype: torch.dtype, rows: int = 1024, secon
             torch.nn.functional.linear(x, w)
 
     paths["torch.nn.functional.linear"] = lambda: timed(aten)
-    packed = [pack_linear_weight(w) for w in weights]
-    if all(p is not None for p in packed):  # the GEMM the engine itself runs on this CPU
+    engine_path = gemm_path(dtype)
+    if engine_path is not None:  # the GEMM the engine itself runs on this CPU
+        packed = [pack_linear_weight(w) for w in weights]
 
         def engine_gemm() -> None:
             for x, w, p in zip(inputs, weights, packed):
                 linear(x, w, None, p)
 
-        name = "oneDNN, packed weights" if onednn_packs(dtype) else "berth's C GEMM, packed weights (gemm.c)"
-        paths[name] = lambda: timed(engine_gemm)
+        paths[engine_path] = lambda: timed(engine_gemm)
     results = {name: measure() for name, measure in paths.items()}
     best = max(results, key=results.get)
     return Peak(results[best], best)

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
-from berth.kernels.cpu_ops import has_fast_gemm
+from berth.kernels.cpu_ops import gemm_path
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def load_model(
         )
     device = torch.device(device)
     dtype = resolve_dtype(dtype, config, device)
-    if device.type == "cpu" and dtype != torch.float32 and not has_fast_gemm(dtype):
+    if device.type == "cpu" and dtype != torch.float32 and gemm_path(dtype) is None:
         logger.warning(slow_cpu_dtype_warning(dtype))
     model = ARCHITECTURES[config.architecture](config, dtype=dtype, device=device, tp=tp)
     model.load_weights(iterate_weights(checkpoint_files(model_dir), _throttled(on_bytes_read)))

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from berth.engine import LLM, SamplingParams
 from berth.engine.models.loader import load_model, slow_cpu_dtype_warning
 from berth.engine.models.tiny_model import make_tiny_model
-from berth.kernels.cpu_ops import has_fast_gemm
+from berth.kernels.cpu_ops import gemm_path
 
 
 def digest(path: Path) -> str:
@@ -70,7 +70,7 @@ def test_load_model_in_each_dtype(tiny_model, dtype, caplog):
     assert {p.dtype for p in model.parameters()} == {dtype}
     # A dtype this CPU has no fast matmul for loads, and says it will be slow (which branch runs
     # depends on the machine: bfloat16 warns only where neither oneDNN nor gemm.c takes it).
-    slow = dtype == torch.float16 or not has_fast_gemm(dtype)
+    slow = dtype != torch.float32 and gemm_path(dtype) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == ([slow_cpu_dtype_warning(dtype)] if slow else []), warnings
 

@@ -8,7 +8,7 @@ import torch
 from berth.engine.bench.roofline import matmul_peak, workload_flops
 from berth.engine.bench.workload import WorkItem
 from berth.engine.models.config import ModelConfig
-from berth.kernels.cpu_ops import onednn_packs
+from berth.kernels.cpu_ops import gemm_path
 
 
 def test_workload_flops_counts_projections_attention_and_the_lm_head(tiny_model):
@@ -27,7 +27,4 @@ def test_workload_flops_counts_projections_attention_and_the_lm_head(tiny_model)
 def test_matmul_peak_names_the_fastest_gemm(tiny_model, dtype):
     peak = matmul_peak(ModelConfig.from_pretrained(tiny_model), dtype, rows=64, seconds=0.05)
     assert peak.gflops > 0
-    engine_gemm = (
-        "oneDNN, packed weights" if onednn_packs(dtype) else "berth's C GEMM, packed weights (gemm.c)"
-    )
-    assert peak.path in ("torch.nn.functional.linear", engine_gemm)
+    assert peak.path in ("torch.nn.functional.linear", gemm_path(dtype))

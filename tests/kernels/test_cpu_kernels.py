@@ -140,9 +140,8 @@ def test_linear_on_packed_weights_is_a_linear(dtype, rows, bias):
     b = torch.randn(96, generator=generator).to(dtype) if bias else None
     x = torch.randn(rows, 48, generator=generator).to(dtype)
     packed = cpu_ops.pack_linear_weight(weight)
-    # bf16 goes to oneDNN where the CPU has the instructions (AVX-512 / AMX), else to gemm.c.
-    assert packed is not None
-    assert (packed.dim() == 3) == (dtype == torch.bfloat16 and not cpu_ops.onednn_packs(dtype))
+    assert packed is not None, f"no fast GEMM for {dtype} on this machine"
+    assert (packed.dim() == 3) == (cpu_ops.gemm_path(dtype) == cpu_ops.GEMM_C)
     atol = 1e-4 if dtype == torch.float32 else 0.1
     close(cpu_ops.linear(x, weight, b, packed), F.linear(x, weight, b), atol=atol, rtol=1e-2)
 
@@ -152,21 +151,23 @@ def _cpu_flags() -> set[str]:
         return next((set(line.split()[2:]) for line in cpuinfo if line.startswith("flags")), set())
 
 
-def test_the_bf16_gemm_builds_on_every_cpu_with_avx2_and_fma():
-    expected = {"avx2", "fma"} <= _cpu_flags()
-    assert (cpu_ops.blocked_bf16_gemm() is not None) == expected
-    assert cpu_ops.has_fast_gemm(torch.bfloat16) == (expected or cpu_ops.onednn_packs(torch.bfloat16))
+GEMM_C_HERE = {"avx2", "fma"} <= _cpu_flags()
 
 
-def _blocked(weight: torch.Tensor) -> torch.Tensor:
-    """gemm.c's column blocks, asked for directly (on a CPU with oneDNN bf16, `pack_linear_weight`
-    hands oneDNN the weight instead, but the kernel is there and must still be right)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_ops, "onednn_packs", lambda dtype: False)
-        return cpu_ops.pack_linear_weight(weight)
+def test_each_dtype_goes_to_the_widest_gemm_this_cpu_has():
+    flags = _cpu_flags()
+    library = build.load("gemm")
+    assert library is not None and library.gemm_available() == int(GEMM_C_HERE)
+    # float32: oneDNN where it has AVX-512, gemm.c on AVX2 alone; bfloat16: oneDNN where it has
+    # bfloat16 instructions, else gemm.c.
+    f32 = cpu_ops.GEMM_C if GEMM_C_HERE and "avx512f" not in flags else cpu_ops.ONEDNN
+    bf16 = cpu_ops.ONEDNN if cpu_ops.onednn_packs(torch.bfloat16) else cpu_ops.GEMM_C if GEMM_C_HERE else None
+    assert (cpu_ops.gemm_path(torch.float32), cpu_ops.gemm_path(torch.bfloat16)) == (f32, bf16)
+    assert cpu_ops.gemm_path(torch.float16) is None
 
 
-@pytest.mark.skipif(cpu_ops.blocked_bf16_gemm() is None, reason="gemm.c needs AVX2 and FMA")
+@pytest.mark.skipif(not GEMM_C_HERE, reason="gemm.c needs AVX2 and FMA")
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features"),
     # every tile height (1-6, and 19 = 5 + 5 + 5 + 4), several row chunks (48 each), a last
@@ -177,32 +178,35 @@ def _blocked(weight: torch.Tensor) -> torch.Tensor:
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_bf16_gemm_is_float32_math_rounded_once(rows, out_features, in_features, bias):
-    """float32 products and sums of the bf16 operands, rounded to bf16 once: off the exact sum
-    by float32's summation error (its order differs from torch's) plus one rounding to bf16."""
+def test_the_c_gemm_is_float32_math_rounded_once(dtype, rows, out_features, in_features, bias):
+    """float32 products and sums of the operands, rounded to `dtype` once: off the exact sum by
+    float32's summation error (its order differs from torch's) plus one rounding. Asked for
+    directly: where oneDNN takes a dtype, gemm.c is not used for it, but must still be right."""
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
-    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
-    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
     # A strided view: every row of x is read through its own stride.
-    x = torch.randn(rows, 2 * in_features, generator=generator).bfloat16()[:, :in_features]
-    packed = _blocked(weight)
+    x = torch.randn(rows, 2 * in_features, generator=generator).to(dtype)[:, :in_features]
+    packed = cpu_ops.pack_linear_weight(weight, cpu_ops.GEMM_C)
     assert packed.shape == (-(-out_features // cpu_ops.GEMM_BLOCK), in_features, cpu_ops.GEMM_BLOCK)
-    exact = F.linear(x.float(), weight.float(), b.float() if b is not None else None)
+    exact = F.linear(x.double(), weight.double(), b.double() if b is not None else None)
     out = cpu_ops.linear(x, weight, b, packed)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    magnitude = F.linear(x.float().abs(), weight.float().abs(), b.float().abs() if b is not None else None)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    magnitude = F.linear(x.double().abs(), weight.double().abs(), b.double().abs() if b is not None else None)
     summation = (in_features + 1) * 2**-24 * magnitude
-    assert ((out.float() - exact).abs() <= summation + 2**-8 * (exact.abs() + summation)).all()
+    rounding = 2**-8 if dtype == torch.bfloat16 else 2**-24
+    assert ((out.double() - exact).abs() <= summation + rounding * (exact.abs() + summation)).all()
 
 
-@pytest.mark.skipif(cpu_ops.blocked_bf16_gemm() is None, reason="gemm.c needs AVX2 and FMA")
-def test_the_bf16_gemm_takes_leading_dimensions_and_no_rows():
-    weight = torch.randn(40, 24).bfloat16()
-    packed = _blocked(weight)
-    x = torch.randn(2, 3, 24).bfloat16()
+@pytest.mark.skipif(not GEMM_C_HERE, reason="gemm.c needs AVX2 and FMA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_c_gemm_takes_leading_dimensions_and_no_rows(dtype):
+    weight = torch.randn(40, 24).to(dtype)
+    packed = cpu_ops.pack_linear_weight(weight, cpu_ops.GEMM_C)
+    x = torch.randn(2, 3, 24).to(dtype)
     out = cpu_ops.linear(x, weight, None, packed)
     assert out.shape == (2, 3, 40)
-    close(out, F.linear(x, weight), atol=0.1, rtol=1e-2)
+    close(out, F.linear(x, weight), atol=0.1 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
     assert cpu_ops.linear(x[:, :0], weight, None, packed).shape == (2, 0, 40)
 
 
