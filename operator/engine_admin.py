@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -117,8 +117,11 @@ class Transitions:
     engine would refuse a second with 409 anyway). `purpose` says why the operator asked
     ("sleep", "wake", "retire"): the outcome is handled accordingly."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_end: Callable[[], None] | None = None) -> None:
         self.tasks: dict[int, tuple[Kind, str, asyncio.Task[TransitionOutcome]]] = {}
+        # Called when a transition ends, however it ends (the health loop then looks at once,
+        # not a poll later).
+        self._on_end = on_end
 
     def busy(self, world: int) -> bool:
         """In flight, or ended but not yet collected by `finished()`. Why: a transition that ends
@@ -128,7 +131,11 @@ class Transitions:
 
     def start(self, world: int, kind: Kind, purpose: str, call: Awaitable[TransitionOutcome]) -> None:
         async def run() -> TransitionOutcome:
-            return await call
+            try:
+                return await call
+            finally:
+                if self._on_end is not None:
+                    self._on_end()
 
         self.tasks[world] = (kind, purpose, asyncio.ensure_future(run()))
 

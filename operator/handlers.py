@@ -135,7 +135,8 @@ def _spec_changed(memo: kopf.Memo) -> asyncio.Event:
 
 
 async def _pause(stopped: kopf.DaemonStopped, wake: asyncio.Event, seconds: float) -> None:
-    """Until `seconds` pass, the daemon is stopped, or the spec changed, whichever is first."""
+    """Until `seconds` pass, the daemon is stopped, or `wake` is set (the spec changed, or a
+    transition ended), whichever is first."""
     waits = {asyncio.ensure_future(stopped.wait(seconds)), asyncio.ensure_future(wake.wait())}
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -174,6 +175,7 @@ async def supervise_worlds(
         drift=memo.drift,
         # Replaceable (tests run the schedules on a shifted clock); real time otherwise.
         clock=memo.get("clock") or utc_now,
+        wake=_spec_changed(memo).set,
     )
     wake = _spec_changed(memo)
     try:

@@ -57,6 +57,7 @@ class Supervisor:
         resync_seconds: float = 60.0,
         drift: reconcile.DriftMemory | None = None,
         clock: Clock = utc_now,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.kube = kube
         self.http = http
@@ -71,7 +72,8 @@ class Supervisor:
         self._last_resync: dt.datetime | None = None
         self.drift = drift if drift is not None else reconcile.DriftMemory()
         self.clock = clock
-        self.transitions = engine_admin.Transitions()
+        # `wake`: start the next round now (a drain, wakeup or swap that ended is acted on at once).
+        self.transitions = engine_admin.Transitions(on_end=wake)
         self._admin_token: str | None = None
         self._addresses: dict[int, tuple[str, int]] = {}  # world -> its launcher's address, this round
 

@@ -250,7 +250,7 @@ async def test_deleting_the_llmdeployment_removes_everything_it_owned(
         )
     for resource in [*EXPECTED, "v1/pods"]:
         assert cluster.names(resource) == [], resource
-    await wait_for(lambda: not fleet.endpoints, 30, "every launcher's server stopped")
+    await wait_for(fleet.all_stopped, 30, "every launcher's server stopped")
 
 
 async def test_children_changed_behind_the_operators_back_are_repaired(

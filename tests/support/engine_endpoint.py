@@ -92,15 +92,23 @@ class EngineEndpoint:
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    def terminate(self) -> None:
+        """SIGTERM (the server drains and stops on its own time)."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.terminate()
+
+    @property
+    def exited(self) -> bool:
+        return self.process.returncode is not None or not pid_alive(self.process.pid)
+
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after STOP_TIMEOUT; bounded whatever happens. Polled, never
         `process.wait()`: an in-process kopf operator cancels, when it stops, every task born
-        during its run, and a wait on a process started then could hang the kubelet's loop
-        (which stops old pods before it starts new ones)."""
+        during its run, and a wait on a process started then could hang whoever waits."""
         if self.process.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            self.process.terminate()
+        self.terminate()
         if not await self._exited(STOP_TIMEOUT):
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
@@ -158,6 +166,9 @@ class EngineFleet:
     # Reads the pod's Secrets, so each server takes the admin token the operator generated.
     read_secret: SecretReader | None = None
     endpoints: dict[str, EngineEndpoint] = field(default_factory=dict)  # launcher pod uid -> server
+    # Servers of pods that are gone: told to stop, maybe still draining and exiting.
+    stopping: list[EngineEndpoint] = field(default_factory=list)
+    _reapers: set[asyncio.Task[None]] = field(default_factory=set)
     started: list[str] = field(default_factory=list)  # pod names, in start order
     _names: dict[str, str] = field(default_factory=dict)  # launcher pod uid -> pod name
 
@@ -180,9 +191,22 @@ class EngineFleet:
             self.started.append(name)
 
     async def on_pod_stop(self, pod: dict[str, Any]) -> None:
+        """SIGTERM now; the server then stops on its own time (a drain, the engine's shutdown,
+        the interpreter's exit: seconds), SIGKILL after STOP_TIMEOUT, while the kubelet goes on
+        starting other pods, as a real node's does. `stop_all` waits for every one of them."""
         endpoint = self.endpoints.pop(pod["metadata"]["uid"], None)
         if endpoint is not None:
-            await endpoint.stop()
+            endpoint.terminate()
+            self.stopping.append(endpoint)
+            reaper = asyncio.ensure_future(endpoint.stop())
+            self._reapers.add(reaper)
+            # Its outcome is stop_all's to report (it stops each again, which waits or returns).
+            reaper.add_done_callback(lambda task: task.cancelled() or task.exception())
+            reaper.add_done_callback(self._reapers.discard)
+
+    def all_stopped(self) -> bool:
+        """No launcher pod's server runs any more (every stopped one has exited)."""
+        return not self.endpoints and all(endpoint.exited for endpoint in self.stopping)
 
     def resolve(self, pod: Mapping[str, Any]) -> tuple[str, int] | None:
         """The operator's address resolver in tests: launcher pod -> its server on 127.0.0.1."""
@@ -196,6 +220,11 @@ class EngineFleet:
         return matches[-1]
 
     async def stop_all(self) -> None:
-        for endpoint in list(self.endpoints.values()):
-            await endpoint.stop()
+        """Stops every server (those still running and those told to stop), all at once."""
+        everything = [*self.endpoints.values(), *self.stopping]
+        results = await asyncio.gather(*(endpoint.stop() for endpoint in everything), return_exceptions=True)
         self.endpoints.clear()
+        self.stopping.clear()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
