@@ -147,8 +147,7 @@ def test_linear_on_packed_weights_is_a_linear(dtype, rows, bias):
 
 
 def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return next((set(line.split()[2:]) for line in cpuinfo if line.startswith("flags")), set())
+    return set(build._cpu_identity().split())  # the flags line of /proc/cpuinfo
 
 
 GEMM_C_HERE = {"avx2", "fma"} <= _cpu_flags()

@@ -92,12 +92,6 @@ class EngineEndpoint:
         os.kill(pid, signal.SIGKILL)
         return pid
 
-    def terminate(self) -> None:
-        """SIGTERM (the server drains and stops on its own time)."""
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.terminate()
-
     @property
     def exited(self) -> bool:
         return self.process.returncode is not None or not pid_alive(self.process.pid)
@@ -108,7 +102,8 @@ class EngineEndpoint:
         during its run, and a wait on a process started then could hang whoever waits."""
         if self.process.returncode is not None:
             return
-        self.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
         if not await self._exited(STOP_TIMEOUT):
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
@@ -196,7 +191,6 @@ class EngineFleet:
         starting other pods, as a real node's does. `stop_all` waits for every one of them."""
         endpoint = self.endpoints.pop(pod["metadata"]["uid"], None)
         if endpoint is not None:
-            endpoint.terminate()
             self.stopping.append(endpoint)
             reaper = asyncio.ensure_future(endpoint.stop())
             self._reapers.add(reaper)
