@@ -13,7 +13,7 @@ from berth.engine.engine_io import DEFAULT_DRAIN_TIMEOUT, ProgressSink, Transiti
 from berth.engine.executor import GenerationRequest, GenerationResult, create_executor
 from berth.engine.outputs import RequestOutput
 from berth.engine.sampling_params import SamplingParams
-from berth.engine.tokenizer import load_tokenizer, tokenizer_files
+from berth.engine.tokenizer import TokenizerToLoad, load_tokenizer, tokenizer_files
 
 Prompt = str | Sequence[int]
 
@@ -49,10 +49,9 @@ class LLM:
             raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
         self.config = EngineConfig(model=str(model), **engine_options)
         self._tokenizer_follows_model = tokenizer is None  # a weight swap brings its own tokenizer
-        self.tokenizer = load_tokenizer(tokenizer or model)
         self._executor = create_executor(
             self.config,
-            self.tokenizer,
+            TokenizerToLoad(tokenizer or model),
             mode=executor,
             world=world,
             num_postprocess_workers=num_postprocess_workers,
@@ -177,8 +176,12 @@ class LLM:
         result = self._executor.wake_up(model)
         self.config.model = model
         if tokenizer is not None:
-            self.tokenizer = self._executor.tokenizer = tokenizer
+            self._executor.tokenizer = tokenizer
         return result
+
+    @property
+    def tokenizer(self):
+        return self._executor.tokenizer
 
     @property
     def admission_state(self) -> str:
@@ -243,10 +246,6 @@ class AttachedLLM(LLM):
 
     def wait_attached(self, timeout: float | None = None) -> bool:
         return self._executor.wait_attached(timeout)
-
-    @property
-    def tokenizer(self):
-        return self._executor.tokenizer
 
     @property
     def config(self) -> EngineConfig:

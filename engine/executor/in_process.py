@@ -16,6 +16,7 @@ from berth.engine.engine_io import AbortRequest, Control, GenerationRequest, Pro
 from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.executor import GenerationExecutor
 from berth.engine.pyexecutor.py_executor import PyExecutor
+from berth.engine.tokenizer import loaded
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ DEAD_SHUTDOWN_TIMEOUT = 5.0
 
 class InProcessExecutor(GenerationExecutor):
     def __init__(self, config: EngineConfig, tokenizer, on_progress: ProgressSink | None = None) -> None:
-        super().__init__(tokenizer)
+        super().__init__(loaded(tokenizer))
         self.config = config
         self.engine = PyExecutor.launch(config, on_progress=on_progress)
         self.limits, self._stats = self.engine.limits, self.engine.stats()  # as READY says them

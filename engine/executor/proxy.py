@@ -75,6 +75,7 @@ from berth.engine.executor.messages import (
 )
 from berth.engine.executor.postprocess_worker import PostprocessWorkers
 from berth.engine.executor.world import LocalWorker, MpiWorld, OutputTail, World, popen
+from berth.engine.tokenizer import loaded
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class ProxyExecutor(GenerationExecutor):
     """`world`: how the worker world starts (default: one worker process, or with
     `config.tensor_parallel_size` N > 1 an MPI world of N ranks on this machine). The queues are
     Unix sockets for a world on this machine, TCP for one on other hosts (the default
-    `transport`)."""
+    `transport`). `tokenizer` may be a `TokenizerToLoad`: it is then loaded while the worker
+    boots."""
 
     def __init__(
         self,
@@ -104,7 +106,7 @@ class ProxyExecutor(GenerationExecutor):
         world: World | None = None,
         on_progress: ProgressSink | None = None,
     ) -> None:
-        super().__init__(tokenizer)
+        super().__init__(None)  # set once the worker process has started
         self.config = config
         self._on_progress = on_progress  # hears the world's load, step by step, until READY
         self.load_progress: LoadProgress | None = None
@@ -163,10 +165,11 @@ class ProxyExecutor(GenerationExecutor):
             target=self._dispatch_loop, name="berth-proxy-dispatch", daemon=True
         )
         try:
-            if num_postprocess_workers:  # they load a tokenizer while the worker loads the model
-                self._spawn_postprocess_workers()
             self._process = self._spawn_worker(self._init.address, self._results_socket.address, addresses)
             threading.Thread(target=self._watch_worker, name="berth-worker-watch", daemon=True).start()
+            self.tokenizer = loaded(tokenizer)  # while the worker imports torch
+            if num_postprocess_workers:  # the worker waits for their lanes before it loads the model
+                self._spawn_postprocess_workers()
             lanes = self._await_postprocess_workers() if num_postprocess_workers else []
             self._handshake(WorkerSetup(config, tuple(lanes)), init_timeout)
         except BaseException as error:

@@ -161,6 +161,7 @@ def _initialize(init: ipc.SignedSocket, request_address: str, world):
     why not."""
     members = world.members() if world is not None else ((0, os.getpid(), socket.gethostname()),)
     init.send(WorkerIdentity(0, os.getpid(), socket.gethostname(), request_address, world=members))
+    engine_class = _import_engine()  # while the proxy gets its setup ready
     setup = init.recv(CONFIG_TIMEOUT_MS)
     if not isinstance(setup, WorkerSetup):
         setup = None
@@ -169,14 +170,14 @@ def _initialize(init: ipc.SignedSocket, request_address: str, world):
     if setup is None:
         logger.error("no engine setup from the proxy: exiting")
         return None
-    try:  # the import too: a broken torch install is a failed start the proxy must hear about
-        from berth.engine.pyexecutor.py_executor import PyExecutor
-
+    try:  # a broken torch install too is a failed start the proxy must hear about
+        if isinstance(engine_class, BaseException):
+            raise engine_class
         # While it loads, the proxy hears how far it has come (the init socket is idle until READY).
         if world is None:
-            engine = PyExecutor.launch(setup.config, on_progress=init.send)
+            engine = engine_class.launch(setup.config, on_progress=init.send)
         else:
-            engine = PyExecutor.launch(*world.join_collectives(setup.config), on_progress=init.send)
+            engine = engine_class.launch(*world.join_collectives(setup.config), on_progress=init.send)
     except BaseException as error:
         logger.exception("the engine failed to start")
         # Another rank's failure carries that rank's own traceback.
@@ -190,15 +191,28 @@ def _initialize(init: ipc.SignedSocket, request_address: str, world):
     return engine, setup
 
 
+def _import_engine():
+    """`PyExecutor`, or the error its import raised (torch's import takes seconds: a worker does
+    it while the proxy still gets ready, and reports a failure once it has its setup)."""
+    try:
+        from berth.engine.pyexecutor.py_executor import PyExecutor
+    except BaseException as error:
+        return error
+    return PyExecutor
+
+
 def _follow(world) -> int:
     """A rank other than 0: builds its shard and runs the steps rank 0 broadcasts."""
     world.members()
+    try:  # while rank 0 waits for the config: torch's import takes seconds
+        from berth.engine.pyexecutor.rank import build_rank, follow, leave_world
+    except BaseException:
+        logger.exception("rank %d could not import the engine", world.rank)
+        world.abort(1)
     config = world.share(None)
     if config is None:
         return 1  # rank 0 got no config: the world does not start
     try:
-        from berth.engine.pyexecutor.rank import build_rank, follow, leave_world
-
         config, tp = world.join_collectives(config)
     except BaseException:
         logger.exception("rank %d could not join the world", world.rank)
