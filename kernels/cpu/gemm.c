@@ -18,6 +18,11 @@
  * read front to back, which the hardware prefetcher follows (oneDNN's float32 at decode sizes,
  * 19 rows, streams the same weights a fifth to a third slower on the AVX2 EPYC measured).
  *
+ * A block is read once from memory, by its first tile; the other tiles find it in L2. So while
+ * a block's tiles compute, they ask for the next block (a software prefetch, once per 64-byte
+ * line): memory and arithmetic overlap instead of taking turns. At 19 rows on that EPYC this
+ * took the model's float32 GEMMs from 58 to 42 ms a step, bfloat16's from 32 to 30.
+ *
  * Column blocks are shared out over torch's OpenMP threads (this library links the same
  * libgomp); large inputs are taken in chunks of CHUNK rows so a chunk of x stays in L2 while
  * every column block passes over it.
@@ -58,7 +63,8 @@ static inline __m256 load8_f32(const float *eight) { return _mm256_loadu_ps(eigh
 
 /* TILE: `rows` (<= ROWS, a constant at every call, so the compiler drops the dead rows and keeps
  * the sums in registers) rows of x (float32, row stride ldx) times one packed column block
- * (k x BLOCK of W), plus the block's bias (float32, BLOCK of them), into `rows` x `cols` of y.
+ * (k x BLOCK of W), plus the block's bias (float32, BLOCK of them), into `rows` x `cols` of y,
+ * prefetching the column block `next` into L2 as it goes.
  * BLOCKS: rows [first, first + count) of x against one column block, in tiles of at most ROWS
  * rows cut evenly (19 rows go as 5 + 5 + 5 + 4, not 6 + 6 + 6 + 1: every tile reads the whole
  * block). LINEAR: y [m, n] (row stride ldy) = x [m, k] (row stride ldx) . W^T + bias (W packed,
@@ -66,7 +72,7 @@ static inline __m256 load8_f32(const float *eight) { return _mm256_loadu_ps(eigh
 #define DEFINE_GEMM(SUFFIX, T, LOAD8, TO_FLOAT, FROM_FLOAT)                                            \
     static inline __attribute__((always_inline)) void tile_##SUFFIX(                                   \
         int rows, const float *x, int64_t ldx, const T *block, int64_t k, const float *bias, T *y,      \
-        int64_t ldy, int cols) {                                                                       \
+        int64_t ldy, int cols, const T *next) {                                                        \
         __m256 sum[ROWS][2];                                                                           \
         _Pragma("GCC unroll 6") for (int r = 0; r < rows; r++) {                                       \
             sum[r][0] = _mm256_loadu_ps(bias);                                                         \
@@ -74,6 +80,8 @@ static inline __m256 load8_f32(const float *eight) { return _mm256_loadu_ps(eigh
         }                                                                                              \
         for (int64_t p = 0; p < k; p++) {                                                              \
             const __m256 w0 = LOAD8(block + p * BLOCK), w1 = LOAD8(block + p * BLOCK + 8);             \
+            if (p % (64 / (BLOCK * (int)sizeof(T))) == 0)                                         \
+                _mm_prefetch((const char *)(next + p * BLOCK), _MM_HINT_T1);                           \
             _Pragma("GCC unroll 6") for (int r = 0; r < rows; r++) {                                   \
                 const __m256 xr = _mm256_broadcast_ss(x + r * ldx + p);                                \
                 sum[r][0] = _mm256_fmadd_ps(xr, w0, sum[r][0]);                                        \
@@ -89,18 +97,19 @@ static inline __m256 load8_f32(const float *eight) { return _mm256_loadu_ps(eigh
     }                                                                                                  \
                                                                                                        \
     static void blocks_##SUFFIX(const float *x, int64_t ldx, int64_t k, int64_t first, int64_t count,  \
-                                const T *block, const float *bias, T *y, int64_t ldy, int cols) {      \
+                                const T *block, const float *bias, T *y, int64_t ldy, int cols,        \
+                                const T *next) {                                                       \
         for (int64_t r = first, left = count, tiles = (count + ROWS - 1) / ROWS; left > 0; tiles--) {  \
             const int64_t rows = (left + tiles - 1) / tiles;                                           \
             const float *xr = x + r * ldx;                                                             \
             T *yr = y + r * ldy;                                                                       \
             switch (rows) {                                                                            \
-                case 6: tile_##SUFFIX(6, xr, ldx, block, k, bias, yr, ldy, cols); break;               \
-                case 5: tile_##SUFFIX(5, xr, ldx, block, k, bias, yr, ldy, cols); break;               \
-                case 4: tile_##SUFFIX(4, xr, ldx, block, k, bias, yr, ldy, cols); break;               \
-                case 3: tile_##SUFFIX(3, xr, ldx, block, k, bias, yr, ldy, cols); break;               \
-                case 2: tile_##SUFFIX(2, xr, ldx, block, k, bias, yr, ldy, cols); break;               \
-                default: tile_##SUFFIX(1, xr, ldx, block, k, bias, yr, ldy, cols); break;              \
+                case 6: tile_##SUFFIX(6, xr, ldx, block, k, bias, yr, ldy, cols, next); break;         \
+                case 5: tile_##SUFFIX(5, xr, ldx, block, k, bias, yr, ldy, cols, next); break;         \
+                case 4: tile_##SUFFIX(4, xr, ldx, block, k, bias, yr, ldy, cols, next); break;         \
+                case 3: tile_##SUFFIX(3, xr, ldx, block, k, bias, yr, ldy, cols, next); break;         \
+                case 2: tile_##SUFFIX(2, xr, ldx, block, k, bias, yr, ldy, cols, next); break;         \
+                default: tile_##SUFFIX(1, xr, ldx, block, k, bias, yr, ldy, cols, next); break;        \
             }                                                                                          \
             r += rows;                                                                                 \
             left -= rows;                                                                              \
@@ -128,7 +137,8 @@ static inline __m256 load8_f32(const float *eight) { return _mm256_loadu_ps(eigh
                 _Pragma("omp for schedule(static) nowait") for (int64_t b = 0; b < blocks; b++) {      \
                     const int cols = n - b * BLOCK < BLOCK ? (int)(n - b * BLOCK) : BLOCK;             \
                     blocks_##SUFFIX(xf, ldxf, k, first, count, packed + b * k * BLOCK,                 \
-                                    wide_bias + b * BLOCK, y + b * BLOCK, ldy, cols);                  \
+                                    wide_bias + b * BLOCK, y + b * BLOCK, ldy, cols,                   \
+                                    packed + (b + 1 < blocks ? b + 1 : b) * k * BLOCK);                \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
