@@ -9,7 +9,6 @@ from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
-
 # The generic `tokenizers`-backed class (one class under two names since transformers 5), which
 # berth's own checkpoints and most recent ones name in tokenizer_config.json.
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")

@@ -14,8 +14,9 @@ Death of the worker is noticed twice over: a watcher thread waits on the process
 and the dispatch thread checks the worker's pid every few seconds (the backstop).
 
 With `num_postprocess_workers` N > 0 the proxy also starts N postprocess worker processes
-(`postprocess_worker.py`) before the worker: the worker sends each one its share of the
-responses (request_id % N), and they send the results on, detokenized, to the result queue.
+(`postprocess_worker.py`) right after the worker, which waits for their lanes before it loads
+the model: the worker sends each one its share of the responses (request_id % N), and they
+send the results on, detokenized, to the result queue.
 A sleep's or wakeup's result goes down every lane and is delivered with its last copy, behind
 every response the engine sent before it. The death of any of them ends the world as the
 worker's own death does.

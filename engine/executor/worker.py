@@ -14,6 +14,8 @@ and each the result of every sleep / wakeup and the worker's last word, behind t
 
 Order of the handshake: identity first, then the model load (which can take minutes), then
 READY. A worker that dies while loading is therefore noticed at once, not after a timeout.
+Torch's import (seconds) comes between the identity and the setup: it overlaps the proxy's own
+start (its tokenizer), and a failed import is reported as a failed start once the setup is in.
 
 In an MPI world (tensor parallelism) every rank runs this module; rank 0 alone talks to the
 proxy. It names every rank's process in its identity, hands the config to the others, and each

@@ -34,7 +34,8 @@ def assert_same_tokenizer(ours, reference) -> None:
 @pytest.mark.parametrize("model", ["tiny_model", "smollm2"])
 def test_a_generic_tokenizer_is_the_one_auto_tokenizer_loads(model, request):
     path = request.getfixturevalue(model)
-    assert_same_tokenizer(load_tokenizer(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    reference = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert_same_tokenizer(load_tokenizer(path), reference)
 
 
 def test_a_generic_tokenizer_loads_without_torch(smollm2):
@@ -60,5 +61,5 @@ def test_a_checkpoint_naming_no_generic_class_goes_through_auto_tokenizer(tiny_m
 
 
 def test_a_folder_without_a_tokenizer_says_so(tmp_path):
-    with pytest.raises(Exception, match="tokenizer|Unrecognized|config"):
+    with pytest.raises((OSError, ValueError), match="tokenizer"):
         load_tokenizer(tmp_path)

@@ -245,9 +245,23 @@ def test_a_worker_crashing_while_loading_raises_the_root_cause(tiny_model, tmp_p
     assert wait_until(lambda: not worker_pids(), timeout=5)
 
 
+def test_a_worker_whose_torch_import_fails_reports_it_as_the_failed_start(tiny_model, tmp_path, monkeypatch):
+    # The worker imports torch while the proxy gets its setup ready, before it has a setup to
+    # load: the failure must still reach the proxy as the start's root cause, not as a death.
+    shadow = tmp_path / "shadow" / "torch"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('this torch is broken')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow.parent))  # the worker's; this process has its torch
+    with pytest.raises(ImportError, match="this torch is broken") as raised:
+        call_with_timeout(lambda: ProxyExecutor(EngineConfig(model=str(tiny_model)), tokenizer=None), 60)
+    assert isinstance(raised.value.__cause__, RemoteTraceback)
+    assert "_import_engine" in raised.value.__cause__.traceback
+    assert wait_until(lambda: not worker_pids(), timeout=5)
+
+
 def loading_torch(pid: int) -> bool:
-    """True once the worker maps torch's library: it imports torch only after the proxy answered
-    its identity with the config, so it is then loading the engine."""
+    """True once the worker maps torch's library: it imports torch only after it sent the proxy
+    its identity, so the proxy then waits for the engine to load."""
     try:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
     except OSError:
