@@ -12,7 +12,9 @@ Also printed, all measured in this run:
   (seconds x the matmul peak of this machine in this dtype), for each engine;
 - batch-1 TPOT: one request at a time, (time for N tokens - time for 1 token) / (N - 1), the
   median over `--tpot-requests` prompts, for each engine;
-- with `--plot FILE.png`: throughput against batch size (`--plot-batch-sizes`), both engines.
+- with `--plot FILE.png`: throughput against batch size (`--plot-batch-sizes`), both engines;
+- with `--rounds R`: each engine's time in each of R rounds taken in turn (the lines above use
+  each engine's fastest).
 
 With `--tensor-parallel-size N` (N > 1) berth also runs with N ranks (an MPI world on this
 machine), and its throughput is printed against one rank's (both behind the proxy, measured in
@@ -55,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", default="in-process", help="berth's executor shape")
     parser.add_argument("--skip-hf", action="store_true", help="measure berth only")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="berth and transformers take turns this many times at --batch-size; each one's "
+        "fastest round counts (for a machine whose speed drifts)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -87,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.tensor_parallel_size > 1:
         return run_tensor_parallel(args)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     import torch
 
     from berth.engine.bench.roofline import matmul_peak, workload_flops
@@ -130,8 +141,12 @@ def run(args: argparse.Namespace) -> int:
         berth_seconds, berth_tpot = _measure_berth(args, batch_size, workload, tpot=main)
         if main:
             peak = _remeasure_peak(config, dtype, peak)
-            print(line("berth", berth_seconds), flush=True)
+            if args.rounds == 1:
+                print(line("berth", berth_seconds), flush=True)
         hf_seconds = None if hf is None else _run_transformers(hf, workload, batch_size)
+        if main and args.rounds > 1:
+            berth_seconds, hf_seconds = _take_turns(args, hf, workload, berth_seconds, hf_seconds)
+            print(line("berth", berth_seconds), flush=True)
         points[batch_size] = Point(batch_size, berth_seconds, hf_seconds)
         if not main:
             hf_part = "" if hf_seconds is None else f", transformers {total_out / hf_seconds:8.1f} tok/s"
@@ -157,6 +172,24 @@ def run(args: argparse.Namespace) -> int:
         _plot(args, [points[b] for b in sorted(points)], total_out)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _take_turns(
+    args: argparse.Namespace, hf, workload: list[WorkItem], berth_seconds: float, hf_seconds: float | None
+) -> tuple[float, float | None]:
+    """`--rounds` R > 1: R rounds in all of berth then transformers (the first one is given),
+    each engine's fastest counting. A machine whose speed drifts for minutes at a time then
+    slows both engines' rounds alike, not one engine's only run."""
+    berth_runs, hf_runs = [berth_seconds], [hf_seconds]
+    for round_number in range(1, args.rounds + 1):
+        if round_number > 1:
+            berth_runs.append(_measure_berth(args, args.batch_size, workload, tpot=False)[0])
+            hf_runs.append(None if hf is None else _run_transformers(hf, workload, args.batch_size))
+        said = f"round {round_number}: berth {berth_runs[-1]:.2f} s"
+        if hf is not None:
+            said += f", transformers {hf_runs[-1]:.2f} s"
+        print(said, flush=True)
+    return min(berth_runs), (None if hf is None else min(hf_runs))
 
 
 def _remeasure_peak(config: ModelConfig, dtype: torch.dtype, before: Peak) -> Peak:
