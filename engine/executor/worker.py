@@ -91,12 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         end=world.abort if world is not None else os._exit,
     )
     if world is not None and not world.is_leader:
-        return _follow(world)
-    code = _lead(args, key, world)
-    if code and world is not None:
-        # The proxy has heard why (the sockets are flushed by now); the other ranks may be
-        # waiting for this one in a collective that will never complete.
-        world.abort(code)
+        code = _follow(world)
+    else:
+        code = _lead(args, key, world)
+        if code and world is not None:
+            # The proxy has heard why (the sockets are flushed by now); the other ranks may be
+            # waiting for this one in a collective that will never complete.
+            world.abort(code)
+    if world is not None and "torch.distributed" in sys.modules:
+        from berth.engine.models.parallel import leave_process_group
+
+        leave_process_group()  # on every way out, a failed start's too
     return code
 
 
@@ -207,7 +212,7 @@ def _follow(world) -> int:
     """A rank other than 0: builds its shard and runs the steps rank 0 broadcasts."""
     world.members()
     try:  # while rank 0 waits for the config: torch's import takes seconds
-        from berth.engine.pyexecutor.rank import build_rank, follow, leave_world
+        from berth.engine.pyexecutor.rank import build_rank, follow
     except BaseException:
         logger.exception("rank %d could not import the engine", world.rank)
         world.abort(1)
@@ -230,7 +235,6 @@ def _follow(world) -> int:
     except BaseException:
         logger.exception("rank %d failed", world.rank)
         world.abort(1)
-    leave_world(tp)
     return 0
 
 

@@ -243,9 +243,12 @@ def join_group(
     return TensorParallelGroup(rank, size, dist.group.WORLD, control, leader_timeout=timeout)
 
 
-def leave_group(group: TensorParallelGroup) -> None:
-    if group.size > 1:
-        import torch.distributed as dist
+def leave_process_group() -> None:
+    """Destroys this process's process group, if it joined one. Every way out of a rank must:
+    a gloo group left for the interpreter's exit to tear down aborts the process ("terminate
+    called without an active exception", SIGABRT), and mpiexec then kills the whole world,
+    perhaps before rank 0 has told the proxy why it ended."""
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()

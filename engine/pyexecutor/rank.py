@@ -36,7 +36,6 @@ from berth.engine.models.parallel import (
     TensorParallelGroup,
     attention_shard,
     join_group,
-    leave_group,
     open_rendezvous,
 )
 from berth.engine.pyexecutor import step_inputs
@@ -55,7 +54,6 @@ __all__ = [
     "build_rank",
     "follow",
     "join_world",
-    "leave_world",
     "open_rendezvous",
     "rank_config",
     "rank_memory",
@@ -107,10 +105,6 @@ def join_world(
         torch.cuda.set_device(torch.device(device))
     timeout = datetime.timedelta(seconds=config.collective_timeout)
     return join_group(rank, size, address, torch.device(device), store, timeout)
-
-
-def leave_world(tp: TensorParallelGroup) -> None:
-    leave_group(tp)
 
 
 def build_rank(

@@ -101,7 +101,11 @@ def test_kill_9_of_any_rank_under_load_ends_the_world(tiny_model, victim):
     assert not world_processes()
 
 
-def test_a_world_that_cannot_start_fails_with_the_reason_and_leaves_nothing(tiny_model):
+def test_a_world_that_cannot_start_fails_with_the_reason_and_leaves_nothing(tiny_model, capfd):
     # 4 attention heads do not split over 3 ranks: every rank fails while building its shard.
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the model's 4 attention heads"):
         LLM(tiny_model, tensor_parallel_size=3, kv_cache_blocks=16)
+    # The failed ranks left their process group before they exited: a gloo group left for the
+    # interpreter's teardown aborts a rank (SIGABRT), and mpiexec then killed rank 0 before it
+    # could send the proxy the reason (seen in CI, intermittently).
+    assert "terminate called" not in capfd.readouterr().err

@@ -33,6 +33,7 @@ def gauges(server: ServerProcess) -> dict[str, float]:
 
 def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
     server = ServerProcess(tiny_model, *ENGINE_ARGS, "--api-key", "sk-kill", api_key="sk-kill")
+    engine_pid = None
     try:
         assert server.get("/health").json() == {"status": "ok"}
         assert server.get("/ready").status_code == 200
@@ -57,6 +58,9 @@ def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
         reader = threading.Thread(target=stream, daemon=True)
         reader.start()
         assert stream_started.wait(30)
+        # Held mid-stream: 1,000 tokens of the tiny model take about a second, and on a loaded
+        # machine the request could otherwise end before the reads below (seen in CI).
+        os.kill(engine_pid, signal.SIGSTOP)
         alive = gauges(server)
         assert alive["berth:num_requests_running"] == 1 and alive["berth:kv_cache_usage_perc"] > 0
         assert server.admin_state()["num_running"] == 1
@@ -107,6 +111,9 @@ def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
         server.terminate()
         assert server.wait(15) == 0, server.output  # a dead world never hangs the exit
     finally:
+        if engine_pid is not None:  # a stopped engine would outlive a test that failed midway
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine_pid, signal.SIGKILL)
         server.stop()
 
 
