@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             # waiting for this one in a collective that will never complete.
             world.abort(code)
     if world is not None and "torch.distributed" in sys.modules:
-        from berth.engine.models.parallel import leave_process_group
+        from berth.engine.pyexecutor.rank import leave_world
 
-        leave_process_group()  # on every way out, a failed start's too
+        leave_world()  # on every way out, a failed start's too
     return code
 
 

@@ -36,6 +36,7 @@ from berth.engine.models.parallel import (
     TensorParallelGroup,
     attention_shard,
     join_group,
+    leave_process_group,
     open_rendezvous,
 )
 from berth.engine.pyexecutor import step_inputs
@@ -54,6 +55,7 @@ __all__ = [
     "build_rank",
     "follow",
     "join_world",
+    "leave_world",
     "open_rendezvous",
     "rank_config",
     "rank_memory",
@@ -105,6 +107,11 @@ def join_world(
         torch.cuda.set_device(torch.device(device))
     timeout = datetime.timedelta(seconds=config.collective_timeout)
     return join_group(rank, size, address, torch.device(device), store, timeout)
+
+
+def leave_world() -> None:
+    """This rank's part in the world ends (`parallel.leave_process_group`: on every way out)."""
+    leave_process_group()
 
 
 def build_rank(
