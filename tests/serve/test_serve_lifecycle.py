@@ -22,6 +22,7 @@ class Stream:
         self.events: list = []
         self.status: int | None = None
         self.started = threading.Event()
+        self._hang_up = threading.Event()
         self._thread = threading.Thread(target=self._read, args=(server, body), daemon=True)
         self._thread.start()
 
@@ -31,11 +32,17 @@ class Stream:
         ) as response:
             self.status = response.status_code
             for line in response.iter_lines():
+                if self._hang_up.is_set():
+                    break  # leaving the block closes the connection: the server aborts the request
                 if line.startswith("data: "):
                     data = line[len("data: ") :]
                     self.events.append(data if data == "[DONE]" else json.loads(data))
                     self.started.set()
         self.started.set()
+
+    def hang_up(self) -> None:
+        """Closes the connection at the next event, as a client that goes away does."""
+        self._hang_up.set()
 
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
