@@ -8,13 +8,13 @@
  * [num_blocks, block_size, num_kv_heads, head_dim] and outputs [tokens, num_q_heads, head_dim],
  * contiguous; queries the same with any row stride (a view of the fused QKV projection). The
  * query heads that share a KV head (grouped-query attention) are done together, so each key and
- * value row is loaded once.
+ * value row comes from memory once (and from L1 for the group's other heads).
  *
  * One pass over the context with an online softmax (running maximum and sum, the accumulator
- * rescaled when the maximum grows), in float32 whatever the storage dtype, block by block: the
- * next block is prefetched while this one is scored and summed. The (token, KV head)
- * pairs are shared out over torch's own OpenMP threads: this library links libgomp.so.1,
- * which is the copy torch already loaded, so there is one thread pool, not two.
+ * rescaled when the maximum grows), in float32 whatever the storage dtype, block by block. A
+ * software prefetch of the next block won in isolation and lost in the engine, so there is none.
+ * The (token, KV head) pairs are shared out over torch's own OpenMP threads: this library links
+ * libgomp.so.1, which is the copy torch already loaded, so there is one thread pool, not two.
  */
 
 #include <math.h>
@@ -55,17 +55,6 @@ static inline v8f load8_bf16(const uint16_t *p) {
     return v;
 }
 #endif
-
-/* Asks for `rows` rows of keys and values (row_bytes each, `stride` bytes apart) ahead of use:
- * a sequence's next block lies anywhere in the pool, where no hardware prefetcher looks. */
-static inline void prefetch_rows(const void *keys, const void *values, int64_t stride, int64_t rows,
-                                 int64_t row_bytes) {
-    for (int64_t j = 0; j < rows; j++)
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-            __builtin_prefetch((const char *)keys + j * stride + b, 0, 3);
-            __builtin_prefetch((const char *)values + j * stride + b, 0, 3);
-        }
-}
 
 static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
@@ -178,12 +167,6 @@ static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
                     const int64_t count = length - start < block_size ? length - start : block_size; \
                     const int64_t base = (int64_t)blocks[start / block_size] * block_size;           \
                     const int64_t first_slot = base * token_stride + kv_head * (HEAD_DIM);           \
-                    if (start + block_size < length) {                                               \
-                        const int64_t next = (int64_t)blocks[start / block_size + 1] * block_size;   \
-                        const int64_t next_slot = next * token_stride + kv_head * (HEAD_DIM);        \
-                        prefetch_rows(key_cache + next_slot, value_cache + next_slot,                \
-                                      token_stride * sizeof(T), block_size, (HEAD_DIM) * sizeof(T)); \
-                    }                                                                                \
                     scores_##KERNELS(q, group, key_cache + first_slot, token_stride, count,          \
                                      scores, head_dim);                                                \
                     for (int64_t g = 0; g < group; g++) {                                            \
