@@ -29,8 +29,6 @@
 
 /* Eight floats as one value (GCC / clang vector extensions: one AVX register, or two SSE ones). */
 typedef float v8f __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
 
 static inline v8f load8_f32(const float *p) {
     v8f v;
@@ -46,6 +44,9 @@ static inline v8f load8_bf16(const uint16_t *p) {
     return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 #else
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
 static inline v8f load8_bf16(const uint16_t *p) {
     v8u16 half;
     memcpy(&half, p, sizeof half);
