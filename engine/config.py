@@ -66,6 +66,9 @@ class EngineConfig:
     # times as long; it may compile kernels). Past it the engine is dead ("stalled").
     stall_timeout: float = 60.0
     first_step_timeout: float | None = None
+    # On a GPU, pure decode steps replay CUDA graphs captured at start (`cuda_graphs`); True runs
+    # every step eagerly (for debugging, or to compare). Off on a CPU whatever this says.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "tensor_parallel_size"):
@@ -76,7 +79,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_cache_blocks is not None and self.kv_cache_memory is not None:

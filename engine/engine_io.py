@@ -68,7 +68,8 @@ class RequestError(RuntimeError):
 class LoadProgress:
     """How far the engine's start has come, reported while it loads (rank 0's view): `step` is
     "loading weights" (`done` / `total` bytes read), "sizing the KV cache" (the profiled step),
-    or "checking the model" (one token through every rank)."""
+    "capturing decode graphs" (on a GPU), or "checking the model" (one token through every
+    rank)."""
 
     step: str
     done: int = 0

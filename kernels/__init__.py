@@ -127,6 +127,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatters key/value [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at `slot_mapping`.
+    A negative slot is a padding token (a captured decode graph's spare rows): not written.
     A cache of another dtype (a bfloat16 KV cache under a float32 model) stores them rounded."""
     if key_cache.dtype != key.dtype:
         key, value = key.to(key_cache.dtype), value.to(key_cache.dtype)

@@ -47,6 +47,10 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     num_kv_heads, head_dim = key.shape[-2:]
+    padding = slot_mapping < 0
+    if padding.any():  # a captured decode graph's spare rows: nothing is written for them
+        keep = ~padding
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 

@@ -1,5 +1,8 @@
 """Turns a scheduled batch into the model's flat inputs, runs it, returns the logits to sample.
 
+On a GPU a pure decode step replays a captured CUDA graph (`cuda_graphs`) once
+`capture_decode_graphs` has run; every other step runs the model eagerly.
+
 In a tensor-parallel world the leader's runner broadcasts each step's inputs before running
 them, and every other rank's runner runs exactly those (`rank.follow`): the same forward, in
 the same order, so the collectives inside it pair up.
@@ -12,6 +15,7 @@ import torch
 
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
 from berth.engine.pyexecutor import step_inputs
+from berth.engine.pyexecutor.cuda_graphs import DecodeGraphs
 from berth.engine.pyexecutor.kv_cache import KVCacheManager
 from berth.engine.pyexecutor.sequence import Sequence
 from berth.engine.pyexecutor.step_inputs import StepInputs
@@ -29,6 +33,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.tp = tp
+        self.decode_graphs: DecodeGraphs | None = None
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one step. Returns logits [R, V] for the sequences whose every known token is now
@@ -40,8 +45,29 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The forward pass of one step; logits on rank 0, None on the other ranks."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_replay(inputs):
+            return graphs.replay(inputs)
         input_ids, positions, metadata, logits_indices = inputs.on(self.device)
         return self.model(input_ids, positions, self.kv_cache.kv_caches, metadata, logits_indices)
+
+    def use_decode_graphs(self, graphs: DecodeGraphs | None) -> None:
+        """Replays `graphs` for pure decode steps from now on (None: every step runs eagerly)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+        self.decode_graphs = graphs
+
+    def capture_decode_graphs(self) -> None:
+        """(Re)captures the decode graphs against the model and KV cache held now: after the
+        engine is built, and after every wakeup (new addresses). No-op without graphs."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture()
+
+    def release_decode_graphs(self) -> None:
+        """Frees the graphs and what they captured (a sleep); `capture_decode_graphs` again
+        before the next replay."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
 
     def stop_followers(self) -> None:
         """Rank 0, once its loop has ended in order: every other rank leaves its loop too."""

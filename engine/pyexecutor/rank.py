@@ -40,6 +40,7 @@ from berth.engine.models.parallel import (
     open_rendezvous,
 )
 from berth.engine.pyexecutor import step_inputs
+from berth.engine.pyexecutor.cuda_graphs import DecodeGraphs
 from berth.engine.pyexecutor.kv_cache import KVCacheManager
 from berth.engine.pyexecutor.memory_budget import cuda_limit, host_limits, plan_kv_cache
 from berth.engine.pyexecutor.model_runner import ModelRunner
@@ -144,7 +145,32 @@ def build_rank(
         device=device,
         enable_prefix_caching=config.enable_prefix_caching,
     )
-    return ModelRunner(model, kv_cache, device, tp), plan
+    runner = ModelRunner(model, kv_cache, device, tp)
+    if uses_decode_graphs(config, device, tp):
+        report(LoadProgress("capturing decode graphs"))
+        runner.use_decode_graphs(decode_graphs_for(runner, config))
+        runner.capture_decode_graphs()
+    return runner, plan
+
+
+def uses_decode_graphs(config: EngineConfig, device: torch.device, tp: TensorParallelGroup) -> bool:
+    """CUDA graphs for decode steps: on a GPU, unless `enforce_eager`, with one rank (a world's
+    collectives are not captured yet: its ranks run eagerly)."""
+    return device.type == "cuda" and not config.enforce_eager and tp.size == 1
+
+
+def decode_graphs_for(runner: ModelRunner, config: EngineConfig, *, emulate: bool = False) -> DecodeGraphs:
+    """The decode graphs of `runner`, for whichever model and KV cache it holds when capturing."""
+    max_position_embeddings = runner.model.config.max_position_embeddings
+    return DecodeGraphs(
+        lambda *step: runner.model(*step),
+        lambda: runner.kv_cache.kv_caches,
+        runner.device,
+        max_batch_size=config.max_batch_size,
+        max_model_len=config.max_model_len_for(max_position_embeddings),
+        block_size=config.kv_block_size,
+        emulate=emulate,
+    )
 
 
 def _agreed(tp: TensorParallelGroup, what: str, build: Callable[[], T]) -> T:

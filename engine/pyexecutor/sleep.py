@@ -132,6 +132,7 @@ class RankMemory:
     # ---- sleep ------------------------------------------------------------------------------------
 
     def release(self, level: int) -> None:
+        self.runner.release_decode_graphs()  # they hold the old addresses, and memory of their own
         self.kv_cache.release()
         model = self.runner.model
         if level == 2:
@@ -165,6 +166,7 @@ class RankMemory:
         elif self.device.type != "cpu":
             move_weights(self.runner.model, self.device)
         self.kv_cache.allocate()
+        self.runner.capture_decode_graphs()  # the weights and the KV cache moved
         self.level = 0
 
     def discard(self) -> None:

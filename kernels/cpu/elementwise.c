@@ -98,12 +98,14 @@ DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, f32_to_float, float_to_f32)
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_float, float_to_bf16)
 
 /* Copies each token's keys and values (row_bytes each, rows `*_stride` bytes apart: views of the
-   fused QKV output) to cache slot slots[t] of caches laid out [slot][row_bytes]. */
+   fused QKV output) to cache slot slots[t] of caches laid out [slot][row_bytes]. A negative slot
+   is a padding token (a captured decode graph's spare rows): nothing is written for it. */
 void write_kv_cache(const char *key, int64_t key_stride, const char *value, int64_t value_stride,
                     char *key_cache, char *value_cache, const int64_t *slots, int64_t tokens,
                     int64_t row_bytes) {
     _Pragma("omp parallel for schedule(static) if (tokens * row_bytes >= 4 * PARALLEL_MIN_ELEMENTS)")
     for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
         memcpy(key_cache + slots[t] * row_bytes, key + t * key_stride, (size_t)row_bytes);
         memcpy(value_cache + slots[t] * row_bytes, value + t * value_stride, (size_t)row_bytes);
     }

@@ -125,6 +125,20 @@ def test_write_kv_cache_from_views_of_the_fused_projection(dtype):
     assert caches[0].isnan().sum() == (64 - tokens) * heads * head_dim, "only the given slots are written"
 
 
+@pytest.mark.parametrize(
+    "write", [cpu_ops.write_kv_cache, reference.write_kv_cache], ids=["cpu", "reference"]
+)
+def test_write_kv_cache_skips_negative_slots(write):
+    """A decode graph's padding rows carry slot -1: nothing is written for them (the C kernel
+    would otherwise write before the cache's first byte)."""
+    key = torch.randn(4, 2, 64)
+    caches = [torch.zeros(2, 16, 2, 64) for _ in range(2)]
+    write(key, key, *caches, torch.tensor([3, -1, 17, -1]))
+    flat = caches[0].view(-1, 2, 64)
+    assert torch.equal(flat[3], key[0]) and torch.equal(flat[17], key[2])
+    assert int((flat.abs().sum((1, 2)) > 0).sum()) == 2, "only the two real tokens are written"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_the_reference(dtype):
     x = torch.randn(5, 2 * 1536).to(dtype)
