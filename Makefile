@@ -7,7 +7,7 @@ SMOLLM2 := .cache/smollm2
 # mpich's mpiexec lives in the venv: MPI spawning needs it on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup venv demo test lint clean real-model
+.PHONY: setup venv demo test lint clean real-model gpu-wheels gpu-check gpu-check-dry-run
 
 # System packages the suite uses, installed from Debian's archive when missing (needs root, as
 # the operator tests do): sshd and ssh for the worker pods the test kubelet runs
@@ -62,6 +62,23 @@ demo: real-model
 
 test: setup real-model
 	$(BIN)/python -m pytest -q
+
+# The CUDA path on a GPU machine (tools/gpu_check.py): every check in one run, one table, a JSON
+# report in $$OUT (or gpu-check/). It runs on the machine's own python3 (torch, Triton and
+# transformers come with its image) and installs the wheels in .whl/ into a target directory:
+# run `make gpu-wheels` first where a network is, and carry .whl/ to the GPU machine.
+GPU_WHEEL_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_WHEEL_PLATFORMS) -d .whl -r tools/gpu-wheels.txt
+
+gpu-check:
+	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The same checks' code on this CPU with tiny shapes (the suite runs it too: tests/tools/).
+gpu-check-dry-run: venv
+	$(BIN)/python tools/gpu_check.py --dry-run $(GPU_CHECK_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from berth.engine import LLM, SamplingParams
+from berth.engine.bench.parity_rules import close_parity_problem
 from tests.engine.conftest import hf_greedy, kv_blocks_used
 
 MAX_NEW = 10
@@ -117,15 +118,7 @@ def test_bfloat16_kv_cache_on_a_float32_model_stays_close_to_float32_at_half_the
 def check_logprobs_close(
     completion, theirs: list[int], hf_logprobs: torch.Tensor, abs_logprob: float = 0.15
 ) -> None:
-    """vLLM's rule for low precision: equal until a near-tie, which each side ranks in its top 5."""
-    for step, (mine, ref) in enumerate(zip(completion.token_ids, theirs)):
-        our_top = completion.logprobs[step]  # {token: Logprob}, our top 5 plus the chosen one
-        their_row = hf_logprobs[step]
-        if mine != ref:
-            their_top = their_row.topk(TOP).indices.tolist()
-            assert mine in their_top, f"step {step}: berth's {mine} is not in transformers' top {their_top}"
-            ranked = sorted(our_top, key=lambda t: our_top[t].rank)[:TOP]
-            assert ref in ranked, f"step {step}: transformers' {ref} is not in berth's top {ranked}"
-            return  # the two continuations differ from here on
-        assert our_top[mine].logprob == pytest.approx(their_row[mine].item(), abs=abs_logprob), f"step {step}"
-    assert len(completion.token_ids) == len(theirs)
+    problem = close_parity_problem(
+        completion.token_ids, completion.logprobs, theirs, hf_logprobs, abs_logprob
+    )
+    assert problem is None, problem
