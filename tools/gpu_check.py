@@ -41,11 +41,11 @@ class Check:
 
 
 CHECKS = (
-    Check("environment", 60, 60),
-    Check("kernels", 150, 300),
-    Check("parity", 120, 240),
-    Check("decode", 240, 240),
-    Check("sleep", 120, 120),
+    Check("environment", 45, 60),
+    Check("kernels", 120, 300),
+    Check("parity", 90, 240),
+    Check("decode", 270, 240),
+    Check("sleep", 150, 120),
     Check("serve", 60, 120),
 )
 # What the GPU machine's image brings of what berth's engine imports (torch with its CUDA build,

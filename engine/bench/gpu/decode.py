@@ -55,7 +55,7 @@ def berth_seconds(llm, batch: list[list[int]], new_tokens: int) -> float:
 
 def hf_seconds(model, batch: list[list[int]], new_tokens: int) -> float:
     input_ids = torch.tensor(batch, device=model.device)  # equal lengths: no padding
-    torch.cuda.synchronize() if input_ids.is_cuda else None
+    _synchronize(input_ids.device)
     started = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -66,12 +66,18 @@ def hf_seconds(model, batch: list[list[int]], new_tokens: int) -> float:
             min_new_tokens=new_tokens,
             pad_token_id=model.generation_config.pad_token_id,
         )
+    _synchronize(input_ids.device)
     seconds = time.perf_counter() - started
     if out.shape[1] != len(batch[0]) + new_tokens:
         raise RuntimeError(
             f"transformers produced {out.shape[1] - len(batch[0])} tokens, expected {new_tokens}"
         )
     return seconds
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def tpot(seconds_for, prompt: list[int]) -> float:
@@ -84,12 +90,12 @@ def tpot(seconds_for, prompt: list[int]) -> float:
 
 
 def throughput(seconds_for, batch_sizes: tuple[int, ...]) -> dict[int, float]:
-    """Output tokens/s at each batch size, the better of two runs (a warm-up batch first)."""
-    seconds_for(prompts(2, seed=99), 4)
-    return {
-        size: size * OUTPUT_LEN / min(seconds_for(prompts(size), OUTPUT_LEN) for _ in range(2))
-        for size in batch_sizes
-    }
+    """Output tokens/s at each batch size, after a short warm-up run at that size."""
+    rates = {}
+    for size in batch_sizes:
+        seconds_for(prompts(size, seed=99), 4)
+        rates[size] = size * OUTPUT_LEN / seconds_for(prompts(size), OUTPUT_LEN)
+    return rates
 
 
 def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
@@ -155,7 +161,7 @@ def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map=device).eval()
     seconds_for = lambda batch, n: hf_seconds(hf, batch, n)  # noqa: E731
     hf_tpot = tpot(seconds_for, prompts(1, seed=7)[0])
     result.metrics["transformers_tpot_s"] = hf_tpot
