@@ -185,7 +185,12 @@ def run_check(check: Check, budget: float, args, env: dict[str, str], workdir: P
     with log_path.open("w") as log:
         process = subprocess.Popen(
             # Not in the checkout: its top-level `berth/` folder would shadow the linked package.
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=workdir
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=workdir,
         )
         try:
             code = process.wait(timeout=budget)

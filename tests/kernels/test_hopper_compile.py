@@ -22,5 +22,5 @@ def test_every_kernel_compiles_for_sm90_in_every_dtype():
     compiled = {line.split()[3] for line in lines if line.startswith("compiled for sm_90")}
     assert compiled == {
         "_rms_norm_kernel", "_silu_and_mul_kernel", "_rotary_embedding_kernel", "_write_kv_cache_kernel",
-        "_prefill_attention_kernel", "_decode_segment_kernel", "_decode_merge_kernel",
+        "_prefill_attention_kernel", "_decode_segment_kernel", "_decode_merge_kernel", "_gemv_kernel",
     }  # fmt: skip

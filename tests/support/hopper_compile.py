@@ -90,6 +90,13 @@ def launch_every_kernel(dtype: torch.dtype) -> None:
             kernels.rms_norm(x, weight, 1e-5)
             kernels.rms_norm(x, weight, 1e-5, x.clone())
             kernels.silu_and_mul(torch.randn(5, 2 * intermediate).to(dtype))
+            # A batch-1 decode's GEMMs (16-bit dtypes): each of the GEMV's tile shapes, with a bias.
+            row = torch.randn(1, hidden).to(dtype)
+            for out_features in (3 * hidden, 16384):
+                kernels.linear(
+                    row, torch.randn(out_features, hidden).to(dtype), torch.randn(out_features).to(dtype)
+                )
+            kernels.linear(torch.randn(1, 9000).to(dtype), torch.randn(hidden, 9000).to(dtype))
             # As the attention layer calls them: views of the fused QKV projection's output.
             qkv = torch.randn(5, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
             q, k, v = (

@@ -122,7 +122,8 @@ def test_wheels_that_do_not_install_here_are_a_clear_refusal(tmp_path):
     (tmp_path / "wheels").mkdir()
     (tmp_path / "wheels" / "broken-1.0-cp399-cp399-manylinux_2_17_x86_64.whl").write_bytes(b"not a zip")
     result = subprocess.run(
-        [sys.executable, str(TOOL), "--dry-run", "--out", str(tmp_path), "--wheels", str(tmp_path / "wheels")],
+        [sys.executable, str(TOOL), "--dry-run", "--out", str(tmp_path),
+         "--wheels", str(tmp_path / "wheels")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2

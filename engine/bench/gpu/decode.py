@@ -163,6 +163,7 @@ def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map=device).eval()
     seconds_for = lambda batch, n: hf_seconds(hf, batch, n)  # noqa: E731
+    result.note("transformers runs eagerly with its default dynamic KV cache (no torch.compile)")
     hf_tpot = tpot(seconds_for, prompts(1, seed=7)[0])
     result.metrics["transformers_tpot_s"] = hf_tpot
     result.add(
