@@ -1,11 +1,13 @@
-"""One row times a weight matrix, `out = x @ weight.T (+ bias)` for x [1, K]: a batch-1 decode's
-GEMMs, which only stream the weights.
+"""One row times a weight matrix, `out = x @ weight.T (+ bias)` for x [1, K]: the GEMMs of a
+batch-1 decode step replayed from a CUDA graph, which only stream the weights.
 
 Measured on an H200 at Llama-3-8B's shapes (32 layers of distinct weights in a CUDA graph),
 against cuBLAS through `F.linear`, as shares of the device's copy bandwidth: QKV 83 % vs 71 %,
 o_proj 71 % vs 59 %, down 94 % vs 87 %, gate/up and the LM head ~100 % either way. cuBLAS
 picks kernels built for wider products; here each program streams a few full rows of the
-weight, front to back, in 16-byte loads, and sums in float32.
+weight, front to back, in 16-byte loads, and sums in float32. The whole step: 5.27 ms a token
+with cuBLAS, 4.78 ms with this (the roofline, every weight read once at the copy bandwidth, is
+3.75 ms).
 """
 
 from __future__ import annotations

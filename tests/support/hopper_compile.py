@@ -80,6 +80,7 @@ def launch_every_kernel(dtype: torch.dtype) -> None:
     from berth.kernels.rope import rope_cos_sin_cache
     from berth.kernels.synthetic_batch import random_paged_batch
     from berth.kernels.triton_kernels.attention_decode import decode_attention
+    from berth.kernels.triton_kernels.gemv import gemv
 
     seqs = ((0, 40), (20, 13), (300, 1), (5, 1))  # two prefills (one chunked), two decodes
     shapes = ((4096, 14336, 32, 8, 128), (64, 128, 4, 2, 16))  # hidden, intermediate, heads, head dim
@@ -90,13 +91,11 @@ def launch_every_kernel(dtype: torch.dtype) -> None:
             kernels.rms_norm(x, weight, 1e-5)
             kernels.rms_norm(x, weight, 1e-5, x.clone())
             kernels.silu_and_mul(torch.randn(5, 2 * intermediate).to(dtype))
-            # A batch-1 decode's GEMMs (16-bit dtypes): each of the GEMV's tile shapes, with a bias.
+            # A graphed batch-1 decode's GEMMs: each of the GEMV's tile shapes, with a bias.
             row = torch.randn(1, hidden).to(dtype)
             for out_features in (3 * hidden, 16384):
-                kernels.linear(
-                    row, torch.randn(out_features, hidden).to(dtype), torch.randn(out_features).to(dtype)
-                )
-            kernels.linear(torch.randn(1, 9000).to(dtype), torch.randn(hidden, 9000).to(dtype))
+                gemv(row, torch.randn(out_features, hidden).to(dtype), torch.randn(out_features).to(dtype))
+            gemv(torch.randn(1, 9000).to(dtype), torch.randn(hidden, 9000).to(dtype))
             # As the attention layer calls them: views of the fused QKV projection's output.
             qkv = torch.randn(5, (q_heads + 2 * kv_heads) * head_dim).to(dtype)
             q, k, v = (
