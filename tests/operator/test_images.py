@@ -4,10 +4,13 @@ the three saying the same, and the images saying what the operator's pods rely o
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
+import tomllib
+from packaging.requirements import Requirement
 
 from berth.operator import naming, render
 from tests.support import image
@@ -50,6 +53,28 @@ def test_the_image_has_what_the_test_kubelet_mirrors(dockerfile: Path) -> None:
     for source in (args.split()[:-1] for keyword, args in steps if keyword == "COPY"):
         for item in source:
             assert (ROOT / item).exists(), f"{dockerfile.name} copies {item}, which does not exist"
+
+
+def test_the_cuda_image_pins_every_dependency_at_what_the_gpu_check_ran_with() -> None:
+    """images/constraints-cuda.txt: every dependency of berth (and its mpi and triton extras),
+    pinned; the engine's at the versions of the committed `make gpu-check` report."""
+
+    def canonical(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    lines = (ROOT / "images" / "constraints-cuda.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    pins = {canonical(name): version for name, version in pins.items()}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = project["dependencies"] + project["optional-dependencies"]["mpi"]
+    needed += project["optional-dependencies"]["triton"]
+    assert {canonical(Requirement(text).name) for text in needed} <= set(pins)
+    report = json.loads((ROOT / "docs" / "gpu-check" / "h200-2026-12-04.json").read_text())
+    (environment,) = [check for check in report["checks"] if check["check"] == "environment"]
+    for name, version in environment["metrics"]["versions"].items():
+        assert pins[canonical(name)].split("+")[0] == version, name
+    steps = " ".join(args for _, args in instructions(ROOT / "images" / "Dockerfile.cuda"))
+    assert "-c /src/constraints-cuda.txt" in steps
 
 
 def test_the_users_and_paths_agree_with_the_operator() -> None:
