@@ -115,3 +115,21 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tiny_model):
         result = berth("serve", str(tiny_model), "--port", str(port))
     assert_refused(result, f"127.0.0.1:{port}")
     assert "loaded" not in result.stdout
+
+
+def test_enforce_eager_is_an_engine_option():
+    """`--enforce-eager` (no CUDA graphs for decode steps) reaches EngineConfig as the other
+    engine options do; left out, the engine's default stands."""
+    from berth.cli import command_parser
+    from berth.engine.config import EngineConfig
+    from berth.engine.serve.cli import ENGINE_OPTIONS
+
+    _, parser = command_parser("serve")
+    for argv, expected in ((["m", "--enforce-eager"], True), (["m"], False)):
+        args = parser.parse_args(argv)
+        options = {
+            field: getattr(args, flag)
+            for flag, field in ENGINE_OPTIONS.items()
+            if getattr(args, flag) is not None
+        }
+        assert EngineConfig(model="m", **options).enforce_eager is expected
