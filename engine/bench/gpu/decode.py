@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 from berth.engine.bench.gpu.ceilings import copy_bandwidth
 from berth.engine.bench.gpu.checkpoint import LLAMA3_8B, TINY, random_checkpoint, weight_bytes
-from berth.engine.bench.gpu.result import CheckResult, check_arguments, run_check
+from berth.engine.bench.gpu.result import CheckResult, check_main
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 128
@@ -184,16 +183,7 @@ def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments("decode", __doc__.split("\n")[0]).parse_args(argv)
-
-    def body(result: CheckResult) -> None:
-        if args.workdir:  # shared with the sleep check, which loads the same checkpoint
-            check(result, args.dry_run, Path(args.workdir))
-            return
-        with tempfile.TemporaryDirectory() as workdir:
-            check(result, args.dry_run, Path(workdir))
-
-    return run_check("decode", body, args.json)
+    return check_main("decode", __doc__.split("\n")[0], check, argv)
 
 
 if __name__ == "__main__":

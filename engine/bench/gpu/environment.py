@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
 from berth.engine.bench.gpu.ceilings import copy_bandwidth, matmul_flops
-from berth.engine.bench.gpu.result import CheckResult, check_arguments, run_check
+from berth.engine.bench.gpu.result import CheckResult, check_main
 
 # The distributions the engine and its server import (pyproject's dependencies less the
 # operator's, plus the GPU's own): what an image that serves on a GPU must pin.
@@ -34,7 +35,7 @@ def distribution_versions(names: tuple[str, ...] = ENGINE_DISTRIBUTIONS) -> dict
     return versions
 
 
-def check(result: CheckResult, dry_run: bool) -> None:
+def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
     device = torch.device("cpu" if dry_run else "cuda")
     versions = distribution_versions()
     result.metrics["versions"] = versions
@@ -68,8 +69,7 @@ def check(result: CheckResult, dry_run: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments("environment", __doc__.split("\n")[0]).parse_args(argv)
-    return run_check("environment", lambda result: check(result, args.dry_run), args.json)
+    return check_main("environment", __doc__.split("\n")[0], check, argv)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ device's measured copy bandwidth."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 from berth.engine.bench.gpu.ceilings import copy_bandwidth, median_ms
-from berth.engine.bench.gpu.result import CheckResult, check_arguments, run_check
+from berth.engine.bench.gpu.result import CheckResult, check_main
 from berth.kernels.gpu_check import (
     BENCH_CASES,
     CHECK_CASES,
@@ -34,7 +35,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 DECODE_BANDWIDTH_GOAL = 0.5
 
 
-def check(result: CheckResult, dry_run: bool) -> None:
+def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
     device = torch.device("cpu" if dry_run else "cuda")
     shapes = [
         ("llama-3-8b", dict(hidden_size=4096, intermediate_size=14336, attention_cases=CHECK_CASES)),
@@ -88,8 +89,7 @@ def _cuda_timer(fn) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments("kernels", __doc__.split("\n")[0]).parse_args(argv)
-    return run_check("kernels", lambda result: check(result, args.dry_run), args.json)
+    return check_main("kernels", __doc__.split("\n")[0], check, argv)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,11 @@ steps replayed from CUDA graphs and run eagerly (`enforce_eager`); the rules are
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from berth.engine.bench.gpu.result import CheckResult, check_arguments, run_check
+from berth.engine.bench.gpu.result import CheckResult, check_main
 from berth.engine.bench.parity_rules import (
     close_parity_problem,
     exact_parity_problem,
@@ -104,13 +103,7 @@ def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments("parity", __doc__.split("\n")[0]).parse_args(argv)
-
-    def body(result: CheckResult) -> None:
-        with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-            check(result, args.dry_run, Path(workdir))
-
-    return run_check("parity", body, args.json)
+    return check_main("parity", __doc__.split("\n")[0], check, argv)
 
 
 if __name__ == "__main__":

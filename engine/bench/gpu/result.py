@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -57,14 +58,27 @@ class CheckResult:
             Path(self.path).write_text(json.dumps(data, indent=2, default=str))
 
 
-def check_arguments(name: str, description: str) -> argparse.ArgumentParser:
+CheckBody = Callable[[CheckResult, bool, Path], None]  # (result to fill, dry run, work directory)
+
+
+def check_main(name: str, description: str, body: CheckBody, argv: list[str] | None = None) -> int:
+    """A check's command line: `--json PATH` (where its result goes), `--dry-run` (the same code
+    on the CPU with tiny shapes), `--workdir DIR` (shared by the checks of one run: the decode
+    check's checkpoint serves the sleep check; default a temporary directory)."""
     parser = argparse.ArgumentParser(prog=f"python -m berth.engine.bench.gpu.{name}", description=description)
     parser.add_argument("--json", required=True, help="where the check's result goes")
-    parser.add_argument(
-        "--dry-run", action="store_true", help="the same code paths on the CPU with tiny shapes"
-    )
-    parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
-    return parser
+    parser.add_argument("--dry-run", action="store_true", help="the same code paths on the CPU, tiny shapes")
+    parser.add_argument("--workdir", help="where checkpoints are written (default: a temporary directory)")
+    args = parser.parse_args(argv)
+
+    def run(result: CheckResult) -> None:
+        if args.workdir:
+            body(result, args.dry_run, Path(args.workdir))
+            return
+        with tempfile.TemporaryDirectory() as workdir:
+            body(result, args.dry_run, Path(workdir))
+
+    return run_check(name, run, args.json)
 
 
 def run_check(name: str, body: Callable[[CheckResult], None], json_path: str) -> int:

@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from berth.engine.bench.gpu.result import CheckResult, check_arguments, run_check
+from berth.engine.bench.gpu.result import CheckResult, check_main
 
 LISTENING = "berth serve: listening on "
 STARTUP_SECONDS = 120
@@ -94,13 +93,7 @@ def _wait_for_url(server: subprocess.Popen, log_path: Path, started: float) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments("serve", __doc__.split("\n")[0]).parse_args(argv)
-
-    def body(result: CheckResult) -> None:
-        with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-            check(result, args.dry_run, Path(workdir))
-
-    return run_check("serve", body, args.json)
+    return check_main("serve", __doc__.split("\n")[0], check, argv)
 
 
 if __name__ == "__main__":

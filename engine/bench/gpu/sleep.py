@@ -16,7 +16,6 @@ Prefix caching is off for the same reason (a cached prefix is another computatio
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 from berth.engine.bench.gpu.checkpoint import LLAMA3_8B, TINY, random_checkpoint
 from berth.engine.bench.gpu.decode import prompts
-from berth.engine.bench.gpu.result import CheckResult, check_arguments, run_check
+from berth.engine.bench.gpu.result import CheckResult, check_main
 
 FREED_GOAL = 0.9
 
@@ -108,16 +107,7 @@ def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = check_arguments("sleep", __doc__.split("\n")[0]).parse_args(argv)
-
-    def body(result: CheckResult) -> None:
-        if args.workdir:
-            check(result, args.dry_run, Path(args.workdir))
-            return
-        with tempfile.TemporaryDirectory() as workdir:
-            check(result, args.dry_run, Path(workdir))
-
-    return run_check("sleep", body, args.json)
+    return check_main("sleep", __doc__.split("\n")[0], check, argv)
 
 
 if __name__ == "__main__":
