@@ -439,3 +439,56 @@ async def test_a_rolling_change_while_the_worlds_sleep_replaces_each_in_turn_and
     assert any(phase[0] != "Sleeping" for phase in seen) and any(phase[1] != "Sleeping" for phase in seen)
     for index in (0, 1):
         assert (await fleet.for_pod(LAUNCHERS[index]).get("/admin/state")).json()["admission"] == "parked"
+
+
+async def test_an_operator_restarted_after_a_rollout_stopped_keeps_it_stopped(
+    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    # The rollout's stop lives only in status.rollout, written through the emulator that prunes
+    # what the CRD does not declare: a restarted operator must find it there, not start over.
+    other_shapes = tmp_path / "other-shapes"
+    make_tiny_model(other_shapes, num_layers=3, seed=3)  # a checkpoint the engines refuse to swap in
+    reasons = ("RolloutStarted", "RolloutWorld", "WeightSwapFailed", "RolloutFailed")
+    async with running_operator(cluster, fleet.resolve):
+        await two_ready_worlds(cluster, tmp_path, fleet.model, inPlaceWeightSwap=True)
+        await patch_spec(cluster, {"model": {"path": str(other_shapes), "name": "llama"}})
+        await wait_for(
+            lambda: (status(cluster).get("rollout") or {}).get("failed"),
+            ROLLOUT_TIMEOUT,
+            "the rollout stopped",
+        )
+        await wait_for(
+            lambda: [w.get("phase") for w in status(cluster)["worlds"]] == ["Ready", "Ready"],
+            ROLLOUT_TIMEOUT,
+            "world 0 serving its old weights again",
+        )
+    stopped = status(cluster)["rollout"]
+    before = {reason: len(events(cluster, reason)) for reason in reasons}
+    reconciled = REGISTRY.get_sample_value("berth_operator_reconciles_total", {"result": "success"}) or 0
+
+    async with running_operator(cluster, fleet.resolve):
+        await wait_for(
+            lambda: (
+                (REGISTRY.get_sample_value("berth_operator_reconciles_total", {"result": "success"}) or 0)
+                > reconciled
+            ),
+            30,
+            "the resumed operator's reconcile",
+        )
+        await asyncio.sleep(8)  # more than two health rounds (intervalSeconds 3) of the new operator
+
+    assert stopped["failed"]["world"] == 0 and "refused the new model" in stopped["failed"]["message"]
+    assert status(cluster)["rollout"] == stopped
+    assert (
+        {reason: len(events(cluster, reason)) for reason in reasons}
+        == before
+        == {
+            "RolloutStarted": 1,
+            "RolloutWorld": 1,
+            "WeightSwapFailed": 1,
+            "RolloutFailed": 1,
+        }
+    )
+    for name in LAUNCHERS:  # neither world taken out of service again
+        assert (await fleet.for_pod(name).get("/admin/state")).json()["admission"] == "running"
+    assert sorted(fleet.started) == sorted(LAUNCHERS)

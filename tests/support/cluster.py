@@ -31,7 +31,10 @@ from typing import Any
 import aiohttp
 import kmock
 
+from berth.operator.kube import Kube
 from tests.support.kube_emulator import Emulator, declare_resources
+
+OPERATOR_USER_AGENT = Kube.USER_AGENT
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,15 @@ class Cluster:
 
     def names(self, resource: str, namespace: str = "default") -> list[str]:
         return [obj["metadata"]["name"] for obj in self.objects(resource, namespace)]
+
+    def pruned_from_operator(self) -> list[tuple[str, str, str, str]]:
+        """Fields of the operator's writes that the schema does not declare (a real API server
+        drops them silently: the operator would lose them at its next restart)."""
+        return [
+            entry
+            for entry in self.emulator.pruned
+            if entry[3].startswith("kopf/") or entry[3] == OPERATOR_USER_AGENT
+        ]
 
     def all_live(self) -> Iterator[tuple[Any, str | None, dict[str, Any]]]:
         for (res, ns, _), obj in list(self.emulator.objects.items()):

@@ -34,13 +34,16 @@ import re
 import secrets
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import kmock
 from kmock._internal import dicts, dsl, enums, parsing, rendering
 from kmock._internal.k8s import KubernetesScaffold
 
-from tests.support import api_rules
+from tests.support import api_rules, structural
+
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "llmdeployment.yaml"
 
 _original_parse_path = parsing.parse_path
 
@@ -195,6 +198,27 @@ class Emulator(kmock.KubernetesEmulator):
         self.failures: list[tuple[str, str, str | None, int]] = []  # (method, plural, subresource, status)
         # Extra rewrites a test wants the "server" to make: f(plural, body) on creates and patches.
         self.normalizers: list[Callable[[str, dict[str, Any]], None]] = []
+        # (group, version, plural) -> the custom resource's structural schema (declare_resources).
+        self.schemas: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # Fields the "server" dropped because the schema does not declare them, as
+        # (plural, name, path, User-Agent): a real server drops them without a word.
+        self.pruned: list[tuple[str, str, str, str]] = []
+
+    def _schema(self, request: Any) -> dict[str, Any] | None:
+        resource = request.resource
+        return self.schemas.get((resource.group, resource.version, resource.plural))
+
+    def _prune(self, request: Any) -> None:
+        """Drop what the custom resource's schema does not declare, as the API server does. A
+        merge patch is pruned like the object it is merged into (the stored object is pruned
+        already, so the result is the same)."""
+        schema = self._schema(request)
+        if schema is None or not isinstance(request.data, dict):
+            return
+        name = (request.data.get("metadata") or {}).get("name") or request.name or ""
+        agent = request.headers.get("User-Agent", "")
+        for path in structural.prune(schema, request.data, root=True):
+            self.pruned.append((request.resource.plural, name, path, agent))
 
     def fail_next(self, method: str, plural: str, subresource: str | None = None, status: int = 500) -> None:
         """The next matching request fails with `status` (an API server having a bad moment)."""
@@ -230,6 +254,8 @@ class Emulator(kmock.KubernetesEmulator):
                 api_rules.normalize(request.data)
                 for normalizer in self.normalizers:
                     normalizer(plural, request.data)
+            if request.action in (enums.action.CREATE, enums.action.UPDATE):
+                self._prune(request)
             if request.action == enums.action.CREATE:
                 self._stamp_create(request)
                 delay = self.slow_creates.get(plural)
@@ -427,6 +453,8 @@ def declare_resources(emulator: kmock.KubernetesEmulator, namespaces: tuple[str,
         subresources={"status", "scale"},
         verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
     )
+    for group, version, plural, _, schema in structural.crd_schemas(CRD_FILE):
+        emulator.schemas[group, version, plural] = schema
     for namespace in namespaces:
         emulator.objects["v1/namespaces", None, namespace] = {
             "apiVersion": "v1",
