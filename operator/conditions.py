@@ -42,12 +42,35 @@ def summarise(
     invalid_spec: str | None = None,
     sleep: SleepIntent | None = None,
     retiring: Sequence[Mapping[str, Any]] = (),
+    conflicts: Sequence[str] = (),
 ) -> tuple[list[dict[str, Any]], str]:
     """(conditions without timestamps, phase) for the given world statuses.
 
     `sleep`: whether the worlds are meant to sleep (schedule.py); a world asleep on purpose is
     settled, one asleep against the intent is being woken. `retiring`: worlds beyond
-    `replicas` that drain before they are removed (scale-down)."""
+    `replicas` that drain before they are removed (scale-down). `conflicts`: objects in the way
+    that this LLMDeployment does not control (child_problems.py), described."""
+    conds, phase = _summarise(worlds, desired, invalid_spec, sleep, retiring)
+    if conflicts and invalid_spec is None:
+        # Not ready, whatever the worlds say, until someone removes what is in the way: the
+        # operator never takes it over.
+        message = "; ".join(conflicts)
+        replaced = {
+            "Ready": _condition("Ready", False, "ConflictingObject", message),
+            "Degraded": _condition("Degraded", True, "ConflictingObject", message),
+        }
+        conds = [replaced.get(condition["type"], condition) for condition in conds]
+        phase = "Degraded"
+    return conds, phase
+
+
+def _summarise(
+    worlds: Sequence[Mapping[str, Any]],
+    desired: int,
+    invalid_spec: str | None,
+    sleep: SleepIntent | None,
+    retiring: Sequence[Mapping[str, Any]],
+) -> tuple[list[dict[str, Any]], str]:
     if invalid_spec is not None:
         return [
             _condition("Ready", False, "InvalidSpec", "the spec cannot be deployed; see Degraded"),

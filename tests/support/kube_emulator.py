@@ -196,6 +196,7 @@ class Emulator(kmock.KubernetesEmulator):
         # Set per instance: tests arm them.
         self.slow_creates = {}
         self.failures: list[tuple[str, str, str | None, int]] = []  # (method, plural, subresource, status)
+        self.denials: dict[tuple[str, str, str | None], tuple[int, str]] = {}  # see deny()
         # Extra rewrites a test wants the "server" to make: f(plural, body) on creates and patches.
         self.normalizers: list[Callable[[str, dict[str, Any]], None]] = []
         # (group, version, plural) -> the custom resource's structural schema (declare_resources).
@@ -220,6 +221,27 @@ class Emulator(kmock.KubernetesEmulator):
         for path in structural.prune(schema, request.data, root=True):
             self.pruned.append((request.resource.plural, name, path, agent))
 
+    def deny(self, verb: str, plural: str, name: str, message: str, status: int = 403) -> None:
+        """Refuse every `verb` (create, update, delete) of the object `name` until `allow()`, as an
+        admission plugin or a webhook would (Pod Security, a ResourceQuota, a policy engine)."""
+        self.denials[verb, plural, name] = (status, message)
+
+    def allow(self, verb: str, plural: str, name: str) -> None:
+        self.denials.pop((verb, plural, name), None)
+
+    def _denied(self, request: Any) -> tuple[int, str] | None:
+        verb = {
+            enums.action.CREATE: "create",
+            enums.action.UPDATE: "update",
+            enums.action.DELETE: "delete",
+        }.get(request.action)
+        if verb is None or request.resource is None or request.subresource is not None:
+            return None
+        name = request.name
+        if verb == "create" and isinstance(request.data, dict):
+            name = (request.data.get("metadata") or {}).get("name")
+        return self.denials.get((verb, request.resource.plural, name))
+
     def fail_next(self, method: str, plural: str, subresource: str | None = None, status: int = 500) -> None:
         """The next matching request fails with `status` (an API server having a bad moment)."""
         self.failures.append((method.upper(), plural, subresource, status))
@@ -240,6 +262,10 @@ class Emulator(kmock.KubernetesEmulator):
             status = self._injected_failure(request)
             if status is not None:
                 return await _status_response(status, "InternalError", "injected failure (test)")(request)
+            denial = self._denied(request)
+            if denial is not None:
+                reason = "Forbidden" if denial[0] == 403 else "Invalid"
+                return await _status_response(denial[0], reason, denial[1])(request)
         if request.resource is not None and isinstance(request.data, dict):
             plural = request.resource.plural or ""
             if request.action in (enums.action.CREATE, enums.action.UPDATE) and request.subresource is None:
