@@ -64,7 +64,11 @@ class Outcome:
     def record(self, problems: ChildProblems, now: dt.datetime) -> list[tuple[str, str, str]]:
         """What a full reconcile found, into the deployment's memory of problems; returns the
         Events for the new ones."""
-        events = problems.set_conflicts(self.conflicts)
+        return problems.set_conflicts(self.conflicts) + self.record_writes(problems, now)
+
+    def record_writes(self, problems: ChildProblems, now: dt.datetime) -> list[tuple[str, str, str]]:
+        """The writes of a partial reconcile (some children only): refusals and successes."""
+        events = []
         for ref in self.succeeded:
             problems.succeeded(ref)
         for write in self.refused:

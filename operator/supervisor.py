@@ -428,7 +428,9 @@ class Supervisor:
             self.post_event(
                 "Normal",
                 "WorldReplaced",
-                f"world {index} replaced: its {outdated or 'launcher'} pod spec changed",
+                f"world {index} replaced: its StatefulSet's immutable fields changed"
+                if outdated == "statefulset"
+                else f"world {index} replaced: its {outdated or 'launcher'} pod spec changed",
             )
             return
         if address is None or self.transitions.busy(index):
@@ -586,6 +588,10 @@ class Supervisor:
             and step.status.get("modelRevisionLabel") == spec.model.revision
         ):
             outdated = None  # swapped in place already: the pod's command names the old weights
+        if outdated is None and self.problems.immutable_statefulset(naming.world_name(owner.name, index)):
+            # The API server will not patch its StatefulSet (a field that never changes differs):
+            # the world is drained and its StatefulSet replaced, like any rollout.
+            outdated = "statefulset"
         return step, None, outdated
 
     @staticmethod
@@ -669,6 +675,16 @@ class Supervisor:
             await self._write(
                 index, f"Pod/{name}", "delete", now, self.kube.delete("v1", "Pod", owner.namespace, name)
             )
+        world_name = naming.world_name(owner.name, index)
+        if self.problems.immutable_statefulset(world_name):
+            # Deleted (its pods go with it, background propagation) and created anew from the spec.
+            deletion = self.kube.delete("apps/v1", "StatefulSet", owner.namespace, world_name)
+            if await self._write(index, f"StatefulSet/{world_name}", "delete", now, deletion):
+                outcome = reconcile.Outcome()
+                sts = render.worker_statefulset(owner, spec, index)
+                await reconcile.ensure(self.kube, sts, outcome, self.drift)
+                for event in outcome.events() + outcome.record_writes(self.problems, now):
+                    self.post_event(*event)
         if self._may_create_launcher(owner, index, now):
             await self._create_launcher(owner, spec, index, now)
 

@@ -75,3 +75,47 @@ async def test_a_world_whose_pod_is_forbidden_is_reported_and_the_other_world_is
             lambda: worlds(cluster)[0].get("phase") == "Ready", START_TIMEOUT, "world 0 Ready again"
         )
     assert "apiErrors" not in worlds(cluster)[0]
+
+
+async def test_an_immutable_statefulset_field_replaces_the_worlds_statefulset_after_a_drain(
+    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"].update(replicas=1, frontends=0, health={"intervalSeconds": 1, "timeoutSeconds": 1})
+    (tmp_path / "llama.yaml").write_text(yaml.safe_dump(doc))
+    async with running_operator(cluster, fleet.resolve, resync_seconds=0.5):
+        await cluster.kubectl("apply", "--validate=false", "-f", str(tmp_path / "llama.yaml"))
+        await wait_for(lambda: worlds(cluster)[0].get("phase") == "Ready", START_TIMEOUT, "Ready")
+        old = cluster.get("apps/v1/statefulsets", "llama-w0")["metadata"]["uid"]
+        # The StatefulSet as an older operator made it: a field the API server never lets change.
+        cluster.emulator.objects["apps/v1/statefulsets", "default", "llama-w0"].patch(
+            {"spec": {"podManagementPolicy": "OrderedReady"}}
+        )
+
+        def replaced() -> bool:
+            sts = cluster.get("apps/v1/statefulsets", "llama-w0") or {}
+            return (
+                sts.get("metadata", {}).get("uid") not in (None, old)
+                and worlds(cluster)[0].get("phase") == "Ready"
+            )
+
+        try:
+            await wait_for(replaced, START_TIMEOUT, "a new StatefulSet and the world Ready on it")
+        except AssertionError as error:
+            raise AssertionError(
+                f"{error}; status: {(cluster.get(LLMD, 'llama') or {}).get('status')}; "
+                f"events: {[(e['reason'], e.get('message')) for e in cluster.objects('v1/events')]}"
+            ) from None
+    (refused,) = events(cluster, "WriteRefused")
+    assert refused.startswith("patch StatefulSet/llama-w0 refused by the API server (HTTP 422): ")
+    assert (
+        "updates to statefulset spec for fields other than" in refused and "replacing the world's" in refused
+    )
+    assert cluster.get("apps/v1/statefulsets", "llama-w0")["spec"]["podManagementPolicy"] == "Parallel"
+    # Drained first (sleep in drain mode for the rollout), then replaced, not restarted.
+    assert any("(rollout)" in message for message in events(cluster, "WorldAsleep"))
+    assert events(cluster, "WorldReplaced") == [
+        "world 0 replaced: its StatefulSet's immutable fields changed"
+    ]
+    assert fleet.started == ["llama-w0-launcher"] * 2
+    assert worlds(cluster)[0]["restarts"] == 0 and "apiErrors" not in worlds(cluster)[0]

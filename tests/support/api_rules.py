@@ -112,6 +112,33 @@ def problems(plural: str, obj: dict[str, Any], *, creating: bool) -> list[str]:
     return found
 
 
+# What a StatefulSet update may change (k8s.io/kubernetes pkg/apis/apps/validation).
+STATEFULSET_MUTABLE = (
+    "replicas",
+    "ordinals",
+    "template",
+    "updateStrategy",
+    "persistentVolumeClaimRetentionPolicy",
+    "minReadySeconds",
+)
+STATEFULSET_IMMUTABLE_MESSAGE = (
+    "spec: Forbidden: updates to statefulset spec for fields other than 'replicas', 'ordinals', "
+    "'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' "
+    "are forbidden"
+)
+
+
+def update_problems(plural: str, stored: dict[str, Any], updated: dict[str, Any]) -> list[str]:
+    """Why the API server refuses to turn `stored` into `updated` (fields that never change)."""
+    if plural != "statefulsets":
+        return []
+    before, after = stored.get("spec") or {}, updated.get("spec") or {}
+    fixed = (set(before) | set(after)) - set(STATEFULSET_MUTABLE)
+    if any(before.get(key) != after.get(key) for key in fixed):
+        return [STATEFULSET_IMMUTABLE_MESSAGE]
+    return []
+
+
 def normalize(obj: dict[str, Any]) -> None:
     """Rewrite `obj` (a create body or a merge patch) the way the API server stores it."""
     for _, pod_spec in _pod_specs(obj):

@@ -272,6 +272,11 @@ class Emulator(kmock.KubernetesEmulator):
                 problems = api_rules.problems(
                     plural, request.data, creating=request.action == enums.action.CREATE
                 )
+                stored = self._stored(request) if request.action == enums.action.UPDATE else None
+                if stored is not None and request.subresource is None:
+                    problems += api_rules.update_problems(
+                        plural, stored, dicts.patch_dict(stored, request.data)
+                    )
                 if problems:
                     kind = (self.resources.get(request.resource) or kmock.ResourceInfo()).kind or plural
                     name = (request.data.get("metadata") or {}).get("name") or request.name
