@@ -16,6 +16,7 @@ restarts belong to the health daemon (worlds.py), which keeps the restart histor
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime as dt
 import hashlib
 import json
@@ -108,6 +109,7 @@ class DriftMemory:
 
     @staticmethod
     def digest(wanted: Mapping[str, Any]) -> str:
+        """A digest of a rendering (stable: keys sorted)."""
         return hashlib.sha256(json.dumps(wanted, sort_keys=True, default=str).encode()).hexdigest()
 
     def is_stuck(self, key: tuple[str, str, str], digest: str, resource_version: str | None) -> bool:
@@ -158,7 +160,7 @@ def first_difference(desired: Any, live: Any, path: str = "") -> str:
 
 
 def managed_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a manifest the operator owns and patches back when it drifts."""
+    """The part of a manifest the operator owns and applies back when it drifts."""
     meta = obj["metadata"]
     managed: dict[str, Any] = {
         "metadata": {key: meta[key] for key in ("labels", "annotations", "ownerReferences") if key in meta}
@@ -189,22 +191,45 @@ def _conflict(live: Mapping[str, Any], desired: Mapping[str, Any]) -> Conflictin
     )
 
 
+def applied_config(desired: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator applies: the rendering, marked with its own digest. The digest says
+    whether the object holds this rendering: a field the rendering no longer has (a nodeSelector
+    the user removed) leaves the live object a superset of it, which no comparison of fields
+    shows, and only an apply removes it."""
+    config = copy.deepcopy(dict(desired))
+    # A Secret's data is generated once, not applied: its metadata is the rendering.
+    digest = DriftMemory.digest(_identity(config) if config["kind"] == "Secret" else config)[:16]
+    config["metadata"].setdefault("annotations", {})[naming.APPLIED] = digest
+    return config
+
+
 async def ensure(
     kube: Kube, desired: Mapping[str, Any], outcome: Outcome, drift: DriftMemory | None = None
 ) -> dict[str, Any] | None:
-    """Create `desired`, or patch its managed fields back if they drifted. Returns the live object,
-    or None when it is not this LLMDeployment's (a conflict) or the API server refused the write
-    (both recorded in `outcome`).
+    """Create `desired`, or apply it again if the object drifted or the rendering changed.
+    Returns the live object, or None when it is not this LLMDeployment's (a conflict) or the API
+    server refused the write (both recorded in `outcome`).
 
-    Pods are created but never patched: their specs are immutable; an outdated launcher pod
-    is the daemon's to replace (a world restart).
+    Written with server-side apply (field manager berth-operator): a field the rendering no
+    longer has is removed from the child, fields other managers set are left alone. Pods and
+    Secrets are created, not applied: a pod's spec is immutable (an outdated launcher pod is the
+    daemon's to replace, a world restart), and a Secret's data is generated once, so it must not
+    be a field the operator applies (a later apply of its metadata alone would remove it).
     """
     meta = desired["metadata"]
     try:
         live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
         if live is None:
             try:
-                created = await kube.create(desired)
+                # An apply of an object that does not exist creates it. (One created by someone
+                # else between the read above and this write would be taken over: the API has
+                # no create-only apply; the window is one round trip.)
+                if desired["kind"] == "Pod":
+                    created = await kube.create(desired)
+                elif desired["kind"] == "Secret":
+                    created = await kube.create(applied_config(desired))
+                else:
+                    created = await kube.apply(applied_config(desired))
                 outcome.created.append(_ref(desired))
                 outcome.succeeded.append(_ref(desired))
                 return created
@@ -226,15 +251,15 @@ async def keep(
     outcome: Outcome,
     drift: DriftMemory | None = None,
 ) -> dict[str, Any] | None:
-    """`ensure` for an object that exists: patched back if it is this LLMDeployment's, else a
+    """`ensure` for an object that exists: applied again if it is this LLMDeployment's, else a
     conflict, left exactly as it is."""
     if not controlled_by(live, _owner_uid(desired)):
         outcome.conflicts.append(_conflict(live, desired))
         return None
     try:
-        result = live if desired["kind"] == "Pod" else await _patch_drift(kube, desired, live, outcome, drift)
+        result = live if desired["kind"] == "Pod" else await _apply_drift(kube, desired, live, outcome, drift)
     except KubeError as exc:
-        return _refused(exc, "patch", desired, outcome)
+        return _refused(exc, "apply", desired, outcome)
     outcome.succeeded.append(_ref(desired))
     return result
 
@@ -245,7 +270,7 @@ def _refused(exc: KubeError, verb: str, desired: Mapping[str, Any], outcome: Out
     outcome.refused.append(RefusedWrite(_ref(desired), verb, exc.status, exc.message, _world(desired)))
 
 
-async def _patch_drift(
+async def _apply_drift(
     kube: Kube,
     desired: Mapping[str, Any],
     live: dict[str, Any],
@@ -253,7 +278,8 @@ async def _patch_drift(
     drift: DriftMemory | None,
 ) -> dict[str, Any]:
     meta = desired["metadata"]
-    wanted = managed_fields(desired)
+    config = applied_config(desired)
+    wanted = managed_fields(config)
     key = (desired["kind"], meta["namespace"], meta["name"])
     drift = drift if drift is not None else DriftMemory()
     if is_subset(wanted, live):
@@ -261,19 +287,23 @@ async def _patch_drift(
         return live
     digest = drift.digest(wanted)
     if drift.is_stuck(key, digest, live.get("metadata", {}).get("resourceVersion")):
-        return live  # the last identical patch changed nothing the server keeps
-    patched = await kube.patch(
-        desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"], wanted
-    )
-    # A patch that the server found to be a no-op (e.g. a quantity it normalises) keeps the
+        return live  # the last identical apply changed nothing the server keeps
+    # A Secret's metadata only: its data is not a field the operator applies.
+    applied = await kube.apply(_identity(config) if desired["kind"] == "Secret" else config)
+    # An apply that the server found to be a no-op (e.g. a quantity it normalises) keeps the
     # resourceVersion; only real changes are reported.
-    if patched.get("metadata", {}).get("resourceVersion") != live.get("metadata", {}).get("resourceVersion"):
+    if applied.get("metadata", {}).get("resourceVersion") != live.get("metadata", {}).get("resourceVersion"):
         outcome.patched.append(_ref(desired))
-    if not is_subset(wanted, patched):
-        # The server rewrote what it was sent: patching again would loop forever.
-        drift.remember(key, digest, patched.get("metadata", {}).get("resourceVersion"))
-        outcome.unconverged.append((_ref(desired), first_difference(wanted, patched)))
-    return patched
+    if not is_subset(wanted, applied):
+        # The server rewrote what it was sent: applying again would loop forever.
+        drift.remember(key, digest, applied.get("metadata", {}).get("resourceVersion"))
+        outcome.unconverged.append((_ref(desired), first_difference(wanted, applied)))
+    return applied
+
+
+def _identity(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The object without its content: what the operator applies of a Secret."""
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": obj["metadata"]}
 
 
 async def ensure_secrets(kube: Kube, owner: render.Owner, outcome: Outcome) -> bool:

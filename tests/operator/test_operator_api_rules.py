@@ -113,7 +113,7 @@ async def test_a_child_the_api_server_refuses_is_reported_and_retried(
 ) -> None:
     # A 422 (a webhook's verdict, a rule of this cluster's) is shown on the resource, with the
     # server's message, and tried again with backoff: the next try may meet a fixed webhook.
-    cluster.emulator.fail_next("POST", "statefulsets", status=422)
+    cluster.emulator.fail_next("PATCH", "statefulsets", status=422)  # the apply that creates it
     async with running_operator(cluster, fleet.resolve):
         await apply_one_world(cluster, tmp_path)
         llmd = cluster.get(LLMD, "llama")

@@ -107,7 +107,7 @@ async def test_an_immutable_statefulset_field_replaces_the_worlds_statefulset_af
                 f"events: {[(e['reason'], e.get('message')) for e in cluster.objects('v1/events')]}"
             ) from None
     (refused,) = events(cluster, "WriteRefused")
-    assert refused.startswith("patch StatefulSet/llama-w0 refused by the API server (HTTP 422): ")
+    assert refused.startswith("apply StatefulSet/llama-w0 refused by the API server (HTTP 422): ")
     assert (
         "updates to statefulset spec for fields other than" in refused and "replacing the world's" in refused
     )

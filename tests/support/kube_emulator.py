@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import kmock
+import yaml
 from kmock._internal import dicts, dsl, enums, parsing, rendering
 from kmock._internal.k8s import KubernetesScaffold
 
-from tests.support import api_rules, structural
+from tests.support import api_rules, server_side_apply, structural
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "llmdeployment.yaml"
 
@@ -257,15 +258,110 @@ class Emulator(kmock.KubernetesEmulator):
                 return status
         return None
 
+    def _list_keys(self, request: Any) -> server_side_apply.ListKeys:
+        schema = self._schema(request)
+        if schema is None:
+            return server_side_apply.builtin_list_keys
+        return lambda names: structural.list_map_keys(schema, names)
+
+    @staticmethod
+    def _field_manager(request: Any) -> str:
+        # The API server's default: the client's user agent up to its first "/".
+        return (request.params or {}).get("fieldManager") or request.headers.get("User-Agent", "").split("/")[
+            0
+        ]
+
+    def _record_update(self, request: Any) -> None:
+        """managedFields for a create, update or merge patch of the main resource."""
+        if request.subresource is not None or not isinstance(request.data, dict):
+            return
+        before = self._stored(request) if request.action == enums.action.UPDATE else None
+        if request.action == enums.action.UPDATE and before is None:
+            return
+        after = dicts.patch_dict(before, request.data) if before is not None else copy.deepcopy(request.data)
+        after = copy.deepcopy(dict(after))
+        server_side_apply.record_update(
+            before, after, self._field_manager(request), None, self._list_keys(request)
+        )
+        request.data.setdefault("metadata", {})["managedFields"] = after["metadata"]["managedFields"]
+
+    async def _apply(self, request: Any) -> Any:
+        """Server-side apply (server_side_apply.py): create or merge, with managedFields."""
+        config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text or "{}")
+        params = request.params or {}
+        manager = params.get("fieldManager")
+        plural = request.resource.plural or ""
+        if not manager:
+            return await _status_response(422, "Invalid", "fieldManager is required for apply requests")(
+                request
+            )
+        if not isinstance(config, dict):
+            return await _status_response(400, "BadRequest", "the apply configuration is not an object")(
+                request
+            )
+        config.setdefault("metadata", {}).setdefault("name", request.name)
+        if request.namespace:
+            config["metadata"].setdefault("namespace", request.namespace)
+        stored = self._stored(request)
+        denial = self.denials.get(("create" if stored is None else "update", plural, request.name))
+        if denial is not None:
+            return await _denial_response(*denial)(request)
+        problems = api_rules.problems(plural, config, creating=stored is None)
+        schema = self._schema(request)
+        if schema is not None:
+            for path in structural.prune(schema, config, root=True):
+                self.pruned.append((plural, request.name or "", path, request.headers.get("User-Agent", "")))
+        api_rules.normalize(config)
+        for normalizer in self.normalizers:
+            normalizer(plural, config)
+        try:
+            result = server_side_apply.apply(
+                stored, config, manager, params.get("force") == "true", self._list_keys(request)
+            )
+        except server_side_apply.ApplyConflict as conflict:
+            return await _status_response(409, "Conflict", str(conflict))(request)
+        if stored is not None:
+            problems += api_rules.update_problems(plural, stored, result)
+        if problems:
+            kind = (self.resources.get(request.resource) or kmock.ResourceInfo()).kind or plural
+            message = f'{kind} "{request.name}" is invalid: ' + "; ".join(problems)
+            return await _status_response(422, "Invalid", message)(request)
+        key = (request.resource, request.namespace, request.name)
+        if stored is None and self.slow_creates.get(plural):
+            await asyncio.sleep(self.slow_creates[plural])
+        async with self._lock:
+            if stored is None:
+                create = type("Create", (), {"data": result, "namespace": request.namespace})()
+                self._stamp_create(create)
+                if key in self._objects:
+                    self._objects[key].create(result)
+                else:
+                    self._objects[key] = result
+                raw = copy.deepcopy(self._objects[key].raw)
+                await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+                return await kmock.Response(status=201, payload=raw)(request)
+            if server_side_apply.same_fields(stored, result):
+                return await kmock.Response(status=200, payload=stored)(request)
+            meta = result["metadata"]
+            if result.get("spec") != stored.get("spec"):
+                meta["generation"] = int(stored["metadata"].get("generation", 1)) + 1
+            meta["resourceVersion"] = str(next(self._resource_versions))
+            self._objects[key].patch(server_side_apply.merge_patch_between(stored, result))
+            raw = copy.deepcopy(self._objects[key].raw)
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return await kmock.Response(status=200, payload=raw)(request)
+
     async def _handle(self, request: Any) -> Any:
         if request.resource is not None:
             status = self._injected_failure(request)
             if status is not None:
                 return await _status_response(status, "InternalError", "injected failure (test)")(request)
+            content_type = request.headers.get("Content-Type", "")
+            if request.method.value.upper() == "PATCH" and content_type.startswith("application/apply-patch"):
+                return await self._apply(request)
             denial = self._denied(request)
             if denial is not None:
-                reason = "Forbidden" if denial[0] == 403 else "Invalid"
-                return await _status_response(denial[0], reason, denial[1])(request)
+                return await _denial_response(*denial)(request)
         if request.resource is not None and isinstance(request.data, dict):
             plural = request.resource.plural or ""
             if request.action in (enums.action.CREATE, enums.action.UPDATE) and request.subresource is None:
@@ -287,6 +383,7 @@ class Emulator(kmock.KubernetesEmulator):
                     normalizer(plural, request.data)
             if request.action in (enums.action.CREATE, enums.action.UPDATE):
                 self._prune(request)
+                self._record_update(request)
             if request.action == enums.action.CREATE:
                 self._stamp_create(request)
                 delay = self.slow_creates.get(plural)
@@ -455,6 +552,10 @@ class Emulator(kmock.KubernetesEmulator):
                 if matches_selector(item.get("metadata", {}).get("labels") or {}, selector)
             ]
         return doc
+
+
+def _denial_response(status: int, message: str) -> Any:
+    return _status_response(status, "Forbidden" if status == 403 else "Invalid", message)
 
 
 def _status_response(status: int, reason: str, message: str) -> Any:
