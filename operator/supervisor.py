@@ -119,6 +119,8 @@ class Supervisor:
 
         owner = render.Owner(name=name, namespace=namespace, uid=meta["uid"])
         reconciled = (body.get("status") or {}).get("observedGeneration") is not None
+        # The reconcile handler has acted on this very generation (it sets observedGeneration).
+        reconciled_now = (body.get("status") or {}).get("observedGeneration") == meta.get("generation")
         await self._resync(owner, spec, reconciled, now)
         pods = await self._own_pods(owner)
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
@@ -197,7 +199,13 @@ class Supervisor:
                 world_status["apiErrors"] = errors
         conflicts = [conflict.describe() for _, conflict in sorted(self.problems.conflicts.items())]
         conds, phase = conditions.summarise(
-            statuses, spec.replicas, sleep=intent, retiring=retiring, conflicts=conflicts
+            statuses,
+            spec.replicas,
+            sleep=intent,
+            retiring=retiring,
+            conflicts=conflicts,
+            rollout=rolling.memory,
+            reconciled=reconciled_now,
         )
         ready = sum(1 for world in statuses if world.get("phase") == "Ready")
         self.metrics.set_world_phases(namespace, name, [world["phase"] for world in statuses])

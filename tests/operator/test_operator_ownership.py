@@ -15,6 +15,7 @@ import yaml
 from berth.operator import naming
 from tests.support.cluster import Cluster, ClusterSim, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
+from tests.support.kstatus import kstatus
 from tests.support.operator_runner import running_operator
 from tests.support.recording_proxy import recording
 
@@ -109,6 +110,7 @@ async def test_objects_it_does_not_control_are_left_alone_and_the_other_worlds_r
         for (resource, name), resource_version in theirs.items():
             assert version(cluster, resource, name) == resource_version, f"{resource}/{name} was written"
 
+        assert kstatus(cluster.get(LLMD, "llama"))[0] == "Failed"  # kstatus: stalled on the conflicts
         ready = condition(cluster, "Ready")
         assert ready["status"] == "False" and ready["reason"] == "ConflictingObject"
         assert (

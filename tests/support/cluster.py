@@ -168,6 +168,24 @@ class Cluster:
                 raise AssertionError(f"{method} {path}: HTTP {response.status}: {payload}")
             return payload
 
+    @contextlib.asynccontextmanager
+    async def kubectl_running(self, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+        """The real kubectl started in the background (e.g. `wait`); killed on exit if still running."""
+        process = await asyncio.create_subprocess_exec(
+            "kubectl",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--cache-dir={self.cache_dir}",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            yield process
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+
     async def kubectl(self, *args: str, timeout: float = 30.0, check: bool = True) -> str:
         """Run the real kubectl against the emulator (async: the emulator shares this loop)."""
         process = await asyncio.create_subprocess_exec(
