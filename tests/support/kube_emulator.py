@@ -22,6 +22,11 @@ Further gaps found while building the operator's tests, fixed here too:
 - every request is matched against each reaction by scanning the whole request history
   (`request in view` iterates every past request through the filters), so each request costs
   O(requests so far): 100 LLMDeployments took minutes. A filter now tests the one request.
+
+And what a real API server does that the operator relies on: custom resources pruned against
+the CRD's structural schema and checked by its CEL rules (structural.py, cel_rules.py),
+server-side apply with managedFields (server_side_apply.py), a StatefulSet's immutable fields,
+admission-style denials of named objects (deny()).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import yaml
 from kmock._internal import dicts, dsl, enums, parsing, rendering
 from kmock._internal.k8s import KubernetesScaffold
 
-from tests.support import api_rules, server_side_apply, structural
+from tests.support import api_rules, cel_rules, server_side_apply, structural
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "llmdeployment.yaml"
 
@@ -202,6 +207,10 @@ class Emulator(kmock.KubernetesEmulator):
         self.normalizers: list[Callable[[str, dict[str, Any]], None]] = []
         # (group, version, plural) -> the custom resource's structural schema (declare_resources).
         self.schemas: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # The schema's CEL rules run on every write of a custom resource; False plays an API
+        # server without them (an older CRD, or none), which the operator must survive too.
+        self.validate_cel = True
+        self.rule_errors: list[str] = []  # rules that did not compile or evaluate (a broken CRD)
         # Fields the "server" dropped because the schema does not declare them, as
         # (plural, name, path, User-Agent): a real server drops them without a word.
         self.pruned: list[tuple[str, str, str, str]] = []
@@ -209,6 +218,24 @@ class Emulator(kmock.KubernetesEmulator):
     def _schema(self, request: Any) -> dict[str, Any] | None:
         resource = request.resource
         return self.schemas.get((resource.group, resource.version, resource.plural))
+
+    def _cel_response(self, request: Any, obj: dict[str, Any]) -> Any | None:
+        """422 with the rules' messages when `obj` breaks one of its CRD's CEL rules."""
+        schema = self._schema(request)
+        if schema is None or not self.validate_cel:
+            return None
+        try:
+            messages = cel_rules.violations(schema, obj)
+        except cel_rules.RuleError as error:
+            self.rule_errors.append(str(error))
+            return _status_response(500, "InternalError", str(error))
+        if not messages:
+            return None
+        info = self.resources.get(request.resource) or kmock.ResourceInfo()
+        kind = f"{info.kind}.{request.resource.group}"
+        name = (obj.get("metadata") or {}).get("name") or request.name
+        listed = messages[0] if len(messages) == 1 else "[" + ", ".join(messages) + "]"
+        return _status_response(422, "Invalid", f'{kind} "{name}" is invalid: {listed}')
 
     def _prune(self, request: Any) -> None:
         """Drop what the custom resource's schema does not declare, as the API server does. A
@@ -322,6 +349,9 @@ class Emulator(kmock.KubernetesEmulator):
             return await _status_response(409, "Conflict", str(conflict))(request)
         if stored is not None:
             problems += api_rules.update_problems(plural, stored, result)
+        refusal = self._cel_response(request, result)
+        if refusal is not None:
+            return await refusal(request)
         if problems:
             kind = (self.resources.get(request.resource) or kmock.ResourceInfo()).kind or plural
             message = f'{kind} "{request.name}" is invalid: ' + "; ".join(problems)
@@ -383,6 +413,12 @@ class Emulator(kmock.KubernetesEmulator):
                     normalizer(plural, request.data)
             if request.action in (enums.action.CREATE, enums.action.UPDATE):
                 self._prune(request)
+                if request.subresource is None and isinstance(request.data, dict):
+                    stored = self._stored(request) if request.action == enums.action.UPDATE else None
+                    result = dicts.patch_dict(stored, request.data) if stored is not None else request.data
+                    refusal = self._cel_response(request, dict(result))
+                    if refusal is not None:
+                        return await refusal(request)
                 self._record_update(request)
             if request.action == enums.action.CREATE:
                 self._stamp_create(request)
