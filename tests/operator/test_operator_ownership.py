@@ -42,10 +42,6 @@ def condition(cluster: Cluster, kind: str) -> dict[str, Any]:
     return next((c for c in status(cluster).get("conditions") or [] if c["type"] == kind), {})
 
 
-def events(cluster: Cluster, reason: str) -> list[str]:
-    return [e.get("message", "") for e in cluster.objects("v1/events") if e.get("reason") == reason]
-
-
 def version(cluster: Cluster, resource: str, name: str) -> str:
     return cluster.get(resource, name)["metadata"]["resourceVersion"]
 
@@ -106,7 +102,9 @@ async def test_objects_it_does_not_control_are_left_alone_and_the_other_worlds_r
             START_TIMEOUT,
             "world 2 Ready, worlds 0 and 1 blocked",
         )
-        await wait_for(lambda: len(events(cluster, "ConflictingObject")) == 3, 10, "an Event per conflict")
+        await wait_for(
+            lambda: len(cluster.event_messages("ConflictingObject")) == 3, 10, "an Event per conflict"
+        )
         for (resource, name), resource_version in theirs.items():
             assert version(cluster, resource, name) == resource_version, f"{resource}/{name} was written"
 
@@ -172,7 +170,7 @@ async def test_a_secret_it_did_not_create_is_never_read_or_mounted(
         await wait_for(
             lambda: condition(cluster, "Ready").get("reason") == "ConflictingObject", 15, "the conflict"
         )
-        await wait_for(lambda: events(cluster, "ConflictingObject"), 10, "the Event")
+        await wait_for(lambda: cluster.event_messages("ConflictingObject"), 10, "the Event")
         assert version(cluster, "v1/secrets", "llama-admin-token") == theirs
         assert (
             "Secret/llama-admin-token exists and is controlled by nobody"

@@ -27,10 +27,6 @@ def worlds(cluster: Cluster) -> list[dict[str, Any]]:
     return ((cluster.get(LLMD, "llama") or {}).get("status") or {}).get("worlds") or [{}, {}]
 
 
-def events(cluster: Cluster, reason: str) -> list[str]:
-    return [e.get("message", "") for e in cluster.objects("v1/events") if e.get("reason") == reason]
-
-
 async def test_a_world_whose_pod_is_forbidden_is_reported_and_the_other_world_is_still_restarted(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -51,8 +47,8 @@ async def test_a_world_whose_pod_is_forbidden_is_reported_and_the_other_world_is
         (error,) = worlds(cluster)[0]["apiErrors"]
         assert error["object"] == "Pod/llama-w0-launcher" and error["verb"] == "create"
         assert error["code"] == 403 and error["message"] == DENIED and error["time"]
-        await wait_for(lambda: events(cluster, "WriteRefused"), 10, "the Event")
-        assert events(cluster, "WriteRefused")[0].startswith(
+        await wait_for(lambda: cluster.event_messages("WriteRefused"), 10, "the Event")
+        assert cluster.event_messages("WriteRefused")[0].startswith(
             f"create Pod/llama-w0-launcher refused by the API server (HTTP 403): {DENIED}; retrying in "
         )
 
@@ -106,15 +102,15 @@ async def test_an_immutable_statefulset_field_replaces_the_worlds_statefulset_af
                 f"{error}; status: {(cluster.get(LLMD, 'llama') or {}).get('status')}; "
                 f"events: {[(e['reason'], e.get('message')) for e in cluster.objects('v1/events')]}"
             ) from None
-    (refused,) = events(cluster, "WriteRefused")
+    (refused,) = cluster.event_messages("WriteRefused")
     assert refused.startswith("apply StatefulSet/llama-w0 refused by the API server (HTTP 422): ")
     assert (
         "updates to statefulset spec for fields other than" in refused and "replacing the world's" in refused
     )
     assert cluster.get("apps/v1/statefulsets", "llama-w0")["spec"]["podManagementPolicy"] == "Parallel"
     # Drained first (sleep in drain mode for the rollout), then replaced, not restarted.
-    assert any("(rollout)" in message for message in events(cluster, "WorldAsleep"))
-    assert events(cluster, "WorldReplaced") == [
+    assert any("(rollout)" in message for message in cluster.event_messages("WorldAsleep"))
+    assert cluster.event_messages("WorldReplaced") == [
         "world 0 replaced: its StatefulSet's immutable fields changed"
     ]
     assert fleet.started == ["llama-w0-launcher"] * 2

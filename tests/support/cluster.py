@@ -142,6 +142,10 @@ class Cluster:
     def names(self, resource: str, namespace: str = "default") -> list[str]:
         return [obj["metadata"]["name"] for obj in self.objects(resource, namespace)]
 
+    def event_messages(self, reason: str) -> list[str]:
+        """The messages of the Events with this reason, oldest first."""
+        return [e.get("message", "") for e in self.objects("v1/events") if e.get("reason") == reason]
+
     def pruned_from_operator(self) -> list[tuple[str, str, str, str]]:
         """Fields of the operator's writes that the schema does not declare (a real API server
         drops them silently: the operator would lose them at its next restart)."""
