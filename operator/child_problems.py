@@ -166,9 +166,16 @@ class ChildProblems:
         return any(not ref.startswith("Pod/") and r.next_retry <= now for ref, r in self.refusals.items())
 
     def seconds_until_retry(self, now: dt.datetime) -> float | None:
-        if not self.refusals:
-            return None
-        return max(min((r.next_retry - now).total_seconds() for r in self.refusals.values()), 0.0)
+        """Until the next retry still ahead (one already due waits for its round, not a busy loop)."""
+        ahead = [(r.next_retry - now).total_seconds() for r in self.refusals.values() if r.next_retry > now]
+        return min(ahead) if ahead else None
+
+    def forget_worlds_from(self, replicas: int) -> None:
+        """Worlds scaled away create nothing any more (their deletions are still retried)."""
+        for ref, refusal in list(self.refusals.items()):
+            world = refusal.write.world
+            if world is not None and world >= replicas and refusal.write.verb in ("create", "apply"):
+                del self.refusals[ref]
 
     def world_conflicts(self, world: int) -> list[ConflictingObject]:
         """Conflicts that keep world `world` from running: its own children's, and a Secret's

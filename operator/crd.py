@@ -99,8 +99,8 @@ class LLMDeploymentObject(BaseModel):
     """APIVersion of this object (berth.dev/v1alpha1)."""
     kind: str | None = None
     """Kind of this object (LLMDeployment)."""
-    # The API server owns metadata's schema; a CRD may only say it is an object.
-    metadata: dict[str, Any] | None = Field(default=None, json_schema_extra={"additionalProperties": None})
+    # The API server owns metadata's schema; a CRD may only say it is an object (open_api_schema).
+    metadata: dict[str, Any] | None = None
     """Standard object metadata."""
     spec: LLMDeploymentSpec
     """Desired state. The operator never writes it (GitOps-safe); it writes only status."""

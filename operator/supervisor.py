@@ -243,6 +243,7 @@ class Supervisor:
         ):
             # A world on its way up (or down) is polled more often than a settled one.
             interval = min(interval, FAST_INTERVAL)
+        self.problems.forget_worlds_from(spec.replicas)
         retry = self.problems.seconds_until_retry(now)
         if retry is not None:
             interval = min(interval, retry + 0.01)  # a refused write is tried again at its time
