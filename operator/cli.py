@@ -1,12 +1,20 @@
-"""`berth operator`: run the LLMDeployment operator (kopf) against the current cluster."""
+"""`berth operator`: run the LLMDeployment operator (kopf) against the current cluster;
+`berth operator crd`: print the LLMDeployment CRD, generated from the operator's models."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.add_parser(
+        "crd",
+        help="print the CustomResourceDefinition (YAML) generated from the operator's models "
+        "(berth operator crd > crds/llmdeployment.yaml)",
+    )
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument(
         "-n",
@@ -31,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "crd":
+        from berth.operator.crd import render_yaml
+
+        sys.stdout.write(render_yaml())
+        return 0
     # Heavy imports here: `berth --help` must not pay for kopf and the Kubernetes client.
     import kopf
 

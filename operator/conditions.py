@@ -14,7 +14,7 @@ from typing import Any
 from berth.operator.restarts import format_time
 from berth.operator.schedule import SleepIntent
 
-CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "Sleeping")
+CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "Sleeping", "Reconciling", "Stalled")
 PARKED_STATES = ("parking", "parked")
 
 
@@ -42,12 +42,105 @@ def summarise(
     invalid_spec: str | None = None,
     sleep: SleepIntent | None = None,
     retiring: Sequence[Mapping[str, Any]] = (),
+    conflicts: Sequence[str] = (),
+    rollout: Mapping[str, Any] | None = None,
+    reconciled: bool = True,
 ) -> tuple[list[dict[str, Any]], str]:
     """(conditions without timestamps, phase) for the given world statuses.
 
     `sleep`: whether the worlds are meant to sleep (schedule.py); a world asleep on purpose is
     settled, one asleep against the intent is being woken. `retiring`: worlds beyond
-    `replicas` that drain before they are removed (scale-down)."""
+    `replicas` that drain before they are removed (scale-down). `conflicts`: objects in the way
+    that this LLMDeployment does not control (child_problems.py), described. `rollout`: the
+    rollout's memory (rollout.py); `reconciled`: the reconcile has acted on this generation.
+
+    Reconciling and Stalled follow kstatus (sigs.k8s.io/cli-utils), which Argo CD, Flux and
+    `kubectl wait` read: Reconciling while the operator works toward this spec, Stalled while it
+    cannot get there without someone's help, and Ready only once every world serves this spec."""
+    conds, phase = _summarise(worlds, desired, invalid_spec, sleep, retiring)
+    if conflicts and invalid_spec is None:
+        # Not ready, whatever the worlds say, until someone removes what is in the way: the
+        # operator never takes it over.
+        message = "; ".join(conflicts)
+        replaced = {
+            "Ready": _condition("Ready", False, "ConflictingObject", message),
+            "Degraded": _condition("Degraded", True, "ConflictingObject", message),
+        }
+        conds = [replaced.get(condition["type"], condition) for condition in conds]
+        phase = "Degraded"
+    return _with_kstatus(conds, invalid_spec, conflicts, rollout or {}, reconciled), phase
+
+
+def _with_kstatus(
+    conds: list[dict[str, Any]],
+    invalid_spec: str | None,
+    conflicts: Sequence[str],
+    rollout: Mapping[str, Any],
+    reconciled: bool,
+) -> list[dict[str, Any]]:
+    by_type = {condition["type"]: condition for condition in conds}
+    degraded = by_type.get("Degraded") or {}
+    failed = rollout.get("failed")
+    stalled: tuple[str, str] | None = None
+    if invalid_spec is not None:
+        stalled = ("InvalidSpec", f"the spec cannot be deployed: {invalid_spec}")
+    elif conflicts:
+        stalled = ("ConflictingObject", "; ".join(conflicts))
+    elif failed:
+        stalled = (
+            "RolloutFailed",
+            f"the rollout stopped at world {failed.get('world')}: {failed.get('message')}",
+        )
+    elif degraded.get("status") == "True":
+        stalled = (degraded["reason"], degraded["message"])
+
+    progressing = by_type.get("Progressing") or {}
+    reconciling: tuple[str, str] | None = None
+    if not reconciled:
+        reconciling = (
+            "GenerationNotReconciled",
+            "the operator has not reconciled the children to this spec yet",
+        )
+    elif rollout.get("target") and not rollout.get("complete") and not failed:
+        done = len(rollout.get("done") or [])
+        steps = ", ".join(
+            f"world {entry['world']} {entry['step']}" for entry in rollout.get("inFlight") or []
+        )
+        reconciling = (
+            "RolloutInProgress",
+            f"rolling out: {done} world(s) done" + (f"; {steps}" if steps else ""),
+        )
+    elif progressing.get("status") == "True":
+        reconciling = (progressing["reason"], progressing["message"])
+
+    ready = by_type.get("Ready")
+    behind = reconciling if reconciling is not None and reconciling[0] != progressing.get("reason") else None
+    if failed:
+        behind = stalled
+    if ready is not None and ready["status"] == "True" and behind is not None:
+        # Ready means every world serves *this* spec: not while the rollout is under way (or
+        # stopped), nor before the children are reconciled to it (kubectl wait relies on it).
+        by_type["Ready"] = _condition("Ready", False, *behind)
+    by_type["Reconciling"] = (
+        _condition("Reconciling", True, *reconciling)
+        if reconciling is not None and stalled is None
+        else _condition("Reconciling", False, "Settled", "nothing left to do for this spec")
+    )
+    by_type["Stalled"] = (
+        _condition("Stalled", True, *stalled)
+        if stalled is not None
+        else _condition("Stalled", False, "NotStalled", "nothing needs a human")
+    )
+    return [by_type[kind] for kind in [*(c["type"] for c in conds), "Reconciling", "Stalled"]]
+
+
+def _summarise(
+    worlds: Sequence[Mapping[str, Any]],
+    desired: int,
+    invalid_spec: str | None,
+    sleep: SleepIntent | None,
+    retiring: Sequence[Mapping[str, Any]],
+) -> tuple[list[dict[str, Any]], str]:
     if invalid_spec is not None:
         return [
             _condition("Ready", False, "InvalidSpec", "the spec cannot be deployed; see Degraded"),

@@ -1,11 +1,12 @@
 """The `LLMDeployment` spec as the operator reads it: typed, defaulted, validated.
 
-The CRD's OpenAPI schema (`crds/llmdeployment.yaml`) is the source of truth and the API server
-applies its defaults and rules before the operator sees an object. This model repeats the
-defaults and the cross-field rules for two reasons: an object that reached the operator without
-them (an API server without the CRD's validation, an emulator in tests, an older CRD) still gets
-a clear error instead of a half-built world, and the rendering code gets typed fields instead of
-`dict.get` chains. `tests/operator/test_crd_model.py` checks that both agree.
+This model is the API: the CRD's schema (`crds/llmdeployment.yaml`) is generated from it by
+`berth operator crd` (operator/crd.py), field docstrings becoming descriptions and the CEL rules
+(`x-kubernetes-validations`) attached to the models they check. The API server applies the
+defaults and rules before the operator sees an object; the validators here repeat the rules in
+Python so that an object that reached the operator without them (an API server without the CRD,
+an older CRD) still gets a clear error instead of a half-built world, and the rendering code gets
+typed fields instead of `dict.get` chains.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import re
 import zoneinfo
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from berth.operator.quantity import canonical_quantity
 
@@ -45,40 +54,82 @@ QUANTITY_PATTERN = (
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
-class _Model(BaseModel):
-    # Unknown fields are ignored, not rejected: the API server prunes them anyway, and an
-    # operator older than its CRD must keep running objects that use a newer field.
-    model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True)
-
-
-def _camel(name: str) -> str:
+def camel_case(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part.title() for part in rest)
 
 
-class _CamelModel(_Model):
-    model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True, alias_generator=_camel)
+class _Model(BaseModel):
+    # Unknown fields are ignored, not rejected: the API server prunes them anyway, and an
+    # operator older than its CRD must keep running objects that use a newer field.
+    # Attribute docstrings are the CRD's descriptions (`berth operator crd` writes them).
+    model_config = ConfigDict(
+        populate_by_name=True,
+        extra="ignore",
+        frozen=True,
+        alias_generator=camel_case,
+        use_attribute_docstrings=True,
+    )
 
 
-class PVCSource(_CamelModel):
+def _rules(*rules: dict[str, str]) -> dict[str, Any]:
+    """The CRD's CEL rules for a model or field (`x-kubernetes-validations`); the operator's
+    validators repeat them in Python for an API server that did not run them."""
+    return {"x-kubernetes-validations": list(rules)}
+
+
+def map_list(*keys: str) -> dict[str, Any]:
+    """A list whose items are identified by `keys` (server-side apply merges them by key)."""
+    return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": list(keys)}
+
+
+class PVCSource(_Model):
+    """A PersistentVolumeClaim in the same namespace holding the weights."""
+
     claim_name: str = Field(min_length=1)
+    """Name of the PersistentVolumeClaim."""
     read_only: bool = True
+    """Kept for familiarity; the operator always mounts weights read-only."""
 
 
-class HostPathSource(_CamelModel):
+class HostPathSource(_Model):
+    """A directory on every node (single-node and test clusters)."""
+
     path: str = Field(pattern=r"^/")
+    """Absolute directory path on the node."""
 
 
-class NFSSource(_CamelModel):
+class NFSSource(_Model):
+    """An NFS export holding the weights."""
+
     server: str = Field(min_length=1)
+    """NFS server host name or IP."""
     path: str = Field(pattern=r"^/")
+    """Exported path on the server."""
 
 
-class ModelVolume(_CamelModel):
+class ModelVolume(_Model):
+    """Where the weights come from: mounted read-only at mountPath on the launcher and every worker
+    pod. Omit it when the image already contains the model."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "[has(self.persistentVolumeClaim), has(self.hostPath), has(self.nfs)]"
+                ".filter(x, x).size() == 1",
+                "message": "model.volume needs exactly one of persistentVolumeClaim, hostPath, nfs",
+            }
+        )
+    )
+
     mount_path: str = Field(pattern=r"^/")
+    """Absolute path the volume is mounted at; model.path must lie under it."""
     persistent_volume_claim: PVCSource | None = None
+    """A PersistentVolumeClaim in the same namespace holding the weights."""
     host_path: HostPathSource | None = None
+    """A directory on every node (single-node and test clusters)."""
     nfs: NFSSource | None = None
+    """An NFS export holding the weights."""
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelVolume:
@@ -102,12 +153,33 @@ class ModelVolume(_CamelModel):
         return {"nfs": {"server": self.nfs.server, "path": self.nfs.path, "readOnly": True}}
 
 
-class ModelSpec(_CamelModel):
-    path: str = Field(min_length=1)
+class ModelSpec(_Model):
+    """The model the engine serves."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "!has(self.volume) || self.path.startsWith(self.volume.mountPath)",
+                "message": "model.path must lie under model.volume.mountPath",
+                "fieldPath": ".path",
+            }
+        )
+    )
+
+    path: str = Field(min_length=1, max_length=4096)
+    """Model directory inside the containers (a Hugging Face-style checkpoint: config.json,
+    safetensors, tokenizer). Passed to `berth launch` as MODEL."""
     name: str | None = Field(default=None, min_length=1, max_length=256)
-    # A name for the weights at `path`: changing it rolls the worlds to what is there now.
+    """Name clients use in the OpenAI API's `model` field (--served-model-name). Defaults to the
+    engine's choice (the path)."""
     revision: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^\S+$")
+    """A name for the weights at `path` (a date, a commit; --model-revision). Change it when the
+    files at the same path changed: the worlds roll to them (swapped in place with
+    rollout.inPlaceWeightSwap), and each world's modelRevisionLabel says which name its engine
+    serves."""
     volume: ModelVolume | None = None
+    """Where the weights come from: mounted read-only at mountPath on the launcher and every worker
+    pod. Omit it when the image already contains the model."""
 
     @model_validator(mode="after")
     def _path_under_mount(self) -> ModelSpec:
@@ -116,7 +188,17 @@ class ModelSpec(_CamelModel):
         return self
 
 
-Quantity = Annotated[str | int | float, Field()]
+# An int or a string in Kubernetes' quantity grammar, as the API server's own types declare it.
+Quantity = Annotated[
+    str | int | float,
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "pattern": QUANTITY_PATTERN,
+        }
+    ),
+]
 
 
 def _check_quantity(value: str | int | float, where: str) -> None:
@@ -124,9 +206,13 @@ def _check_quantity(value: str | int | float, where: str) -> None:
         raise ValueError(f"{where}: {value!r} is not a Kubernetes quantity (e.g. 500m, 2, 16Gi)")
 
 
-class Resources(_CamelModel):
+class Resources(_Model):
+    """CPU / memory requests and limits."""
+
     requests: dict[str, Quantity] = Field(default_factory=dict)
+    """Minimum resources (name to quantity, e.g. cpu 4, memory 64Gi)."""
     limits: dict[str, Quantity] = Field(default_factory=dict)
+    """Maximum resources (name to quantity)."""
 
     @model_validator(mode="after")
     def _quantities(self) -> Resources:
@@ -145,17 +231,37 @@ class Resources(_CamelModel):
         }
 
 
-class EnvVar(_CamelModel):
+class EnvVar(_Model):
+    """One environment variable."""
+
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Variable name."""
     value: str = ""
+    """Variable value."""
 
 
-class Toleration(_CamelModel):
+class Toleration(_Model):
+    """A Kubernetes toleration."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "self.operator != 'Exists' || !has(self.value)",
+                "message": "a toleration with operator Exists must not set value",
+            }
+        )
+    )
+
     key: str | None = None
+    """Taint key; empty with operator Exists matches every taint."""
     operator: Literal["Exists", "Equal"] = "Equal"
+    """Exists or Equal."""
     value: str | None = None
+    """Taint value (operator Equal)."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match; empty matches all."""
     toleration_seconds: int | None = None
+    """How long a NoExecute taint is tolerated."""
 
     @model_validator(mode="after")
     def _exists_has_no_value(self) -> Toleration:
@@ -167,17 +273,34 @@ class Toleration(_CamelModel):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class SleepSpec(_CamelModel):
+class SleepSpec(_Model):
+    """Manual sleep switch. Sleep parks the engine (admission stops, in-flight requests drain) and
+    frees device memory; the pods keep their GPUs allocated."""
+
     sleeping: bool = False
+    """true parks every world; false wakes them."""
     level: Literal[1, 2] = 1
+    """1 offloads weights to host memory; 2 drops them (reloaded on wakeup)."""
 
 
-class SleepSchedule(_CamelModel):
+CRON_PATTERN = r"^(@(yearly|annually|monthly|weekly|daily|midnight|hourly)|((\S+\s+){4}\S+))$"
+TIMEZONE_PATTERN = r"^[A-Za-z][A-Za-z0-9_+\-]*(/[A-Za-z0-9_+\-]+)*$"
+
+
+class SleepSchedule(_Model):
+    """One schedule."""
+
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
-    cron: str
-    timezone: str = "UTC"
+    """Unique name of the schedule (a DNS label)."""
+    # The CRD can only check the shape; croniter and zoneinfo check the meaning.
+    cron: str = Field(json_schema_extra={"pattern": CRON_PATTERN})
+    """Five-field cron expression (minute hour day month weekday) or @daily-style macro."""
+    timezone: str = Field(default="UTC", json_schema_extra={"pattern": TIMEZONE_PATTERN})
+    """IANA time zone the cron expression is read in."""
     action: Literal["Sleep", "Wake"]
+    """What happens at each firing."""
     level: Literal[1, 2] = 1
+    """Sleep level for action Sleep."""
 
     @field_validator("cron")
     @classmethod
@@ -198,21 +321,50 @@ class SleepSchedule(_CamelModel):
         return value
 
 
-class RolloutSpec(_CamelModel):
+class RolloutSpec(_Model):
+    """How spec changes (image, model, engine arguments) are rolled out."""
+
     max_unavailable: int = Field(default=1, ge=1)
+    """Worlds that may be out of service at once during a rollout."""
     drain_timeout_seconds: int = Field(default=300, ge=0)
+    """How long in-flight requests may finish before a world is replaced."""
     in_place_weight_swap: bool = False
+    """When only the model changes, swap weights through sleep level 2 + wakeup, no pod restart."""
 
 
-class HealthSpec(_CamelModel):
+class HealthSpec(_Model):
+    """How the operator watches worlds and restarts dead ones."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "self.timeoutSeconds <= self.intervalSeconds",
+                "message": "health.timeoutSeconds must not exceed health.intervalSeconds",
+            },
+            {
+                "rule": "self.maxBackoffSeconds >= self.backoffSeconds",
+                "message": "health.maxBackoffSeconds must be at least health.backoffSeconds",
+            },
+        )
+    )
+
     interval_seconds: int = Field(default=10, ge=1, le=3600)
+    """Seconds between two health polls of each launcher (/health, /ready)."""
     timeout_seconds: int = Field(default=5, ge=1, le=3600)
+    """Timeout of one health request."""
     failure_threshold: int = Field(default=3, ge=1, le=100)
+    """Consecutive unanswered polls after which a world counts as dead."""
     max_restarts: int = Field(default=5, ge=0, le=1000)
+    """Whole-world restarts allowed within restartWindowSeconds; then Degraded."""
     restart_window_seconds: int = Field(default=3600, ge=1)
+    """Sliding window the restart budget counts in."""
     backoff_seconds: int = Field(default=10, ge=0, le=3600)
+    """Delay before the second restart in the window; doubles for each further one."""
     max_backoff_seconds: int = Field(default=300, ge=0, le=86400)
+    """Upper bound of the restart delay."""
     startup_timeout_seconds: int = Field(default=600, ge=5, le=86400)
+    """How long the engine may take to load the model before the kubelet's liveness probe counts
+    (the launcher's and frontends' startup probe). Raise it for large models on slow volumes."""
 
     @model_validator(mode="after")
     def _consistent(self) -> HealthSpec:
@@ -223,31 +375,95 @@ class HealthSpec(_CamelModel):
         return self
 
 
-class ServiceSpec(_CamelModel):
+class ServiceSpec(_Model):
+    """The Service that is the deployment's OpenAI endpoint."""
+
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """Kubernetes Service type."""
     port: int = Field(default=8000, ge=1, le=65535)
+    """Service port (the pods listen on 8000)."""
     annotations: dict[str, str] = Field(default_factory=dict)
+    """Annotations for the Service (e.g. for a load balancer)."""
 
 
-class LLMDeploymentSpec(_CamelModel):
+ENGINE_ARGS_RULE = {
+    "rule": "self.all(a, !a.matches('^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$'))",
+    "message": "engineArgs must not set "
+    + ", ".join(f"--{flag}" for flag in MANAGED_FLAGS[:-1])
+    + f" or --{MANAGED_FLAGS[-1]}: the operator sets them from the spec",
+}
+
+
+class LLMDeploymentSpec(_Model):
+    """Desired state. The operator never writes it (GitOps-safe); it writes only status."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "self.gpusPerNode == 0 || self.tensorParallelSize % self.gpusPerNode == 0",
+                "message": "tensorParallelSize must be a multiple of gpusPerNode (a world is "
+                "tensorParallelSize / gpusPerNode worker pods with gpusPerNode GPUs each)",
+                "fieldPath": ".tensorParallelSize",
+                "reason": "FieldValueInvalid",
+            },
+            {
+                "rule": "!has(self.resources) || "
+                "((!has(self.resources.requests) || !('nvidia.com/gpu' in self.resources.requests)) && "
+                "(!has(self.resources.limits) || !('nvidia.com/gpu' in self.resources.limits)))",
+                "message": "do not set nvidia.com/gpu in resources: "
+                "the operator requests gpusPerNode GPUs per worker pod",
+                "fieldPath": ".resources",
+                "reason": "FieldValueForbidden",
+            },
+        )
+    )
+
     model: ModelSpec
+    """The model the engine serves."""
     image: str = Field(min_length=1)
+    """Container image with the `berth` command, MPI, and an SSH server (/usr/sbin/sshd) for the
+    worker pods; used by launcher, worker and frontend pods."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Image pull policy of every pod the operator creates."""
     replicas: int = Field(default=1, ge=0, le=1000)
+    """Number of engine worlds (independent copies of the model). Scale subresource."""
     tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
+    """Ranks in one world (tensor parallelism). Must be a multiple of gpusPerNode."""
     gpus_per_node: int = Field(default=1, ge=0, le=64)
+    """GPUs (nvidia.com/gpu) each worker pod requests; a world has tensorParallelSize / gpusPerNode
+    worker pods. 0 runs CPU-only worker pods, one rank each."""
     frontends: int = Field(default=0, ge=0, le=100)
-    engine_args: tuple[str, ...] = ()
-    env: tuple[EnvVar, ...] = ()
+    """Extra attach-frontend pods per world (`berth serve --attach`): more HTTP, tokenization and
+    streaming capacity sharing one engine."""
+    engine_args: tuple[Annotated[str, Field(max_length=1024, description="One argument.")], ...] = Field(
+        default=(), max_length=128, json_schema_extra=_rules(ENGINE_ARGS_RULE)
+    )
+    """Extra command-line arguments appended to `berth launch` (e.g. "--max-num-seqs=64"). Flags
+    the operator derives from the spec are refused."""
+    env: tuple[EnvVar, ...] = Field(default=(), max_length=64, json_schema_extra=map_list("name"))
+    """Extra environment variables for launcher, worker and frontend containers."""
     resources: Resources = Field(default_factory=Resources)
+    """CPU / memory requests and limits of each worker pod. GPUs come from gpusPerNode and must not
+    be set here."""
     launcher_resources: Resources = Field(default_factory=Resources)
+    """CPU / memory requests and limits of launcher and frontend pods (no GPUs)."""
     node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels every pod of the deployment must match (e.g. a GPU model)."""
     tolerations: tuple[Toleration, ...] = ()
+    """Tolerations of every pod (e.g. for tainted GPU nodes)."""
     sleep: SleepSpec = Field(default_factory=SleepSpec)
-    sleep_schedules: tuple[SleepSchedule, ...] = ()
+    """Manual sleep switch. Sleep parks the engine (admission stops, in-flight requests drain) and
+    frees device memory; the pods keep their GPUs allocated."""
+    sleep_schedules: tuple[SleepSchedule, ...] = Field(
+        default=(), max_length=32, json_schema_extra=map_list("name")
+    )
+    """Cron schedules that sleep or wake every world."""
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """How spec changes (image, model, engine arguments) are rolled out."""
     health: HealthSpec = Field(default_factory=HealthSpec)
+    """How the operator watches worlds and restarts dead ones."""
     service: ServiceSpec = Field(default_factory=ServiceSpec)
+    """The Service that is the deployment's OpenAI endpoint."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> LLMDeploymentSpec:

@@ -16,6 +16,7 @@ import httpx
 import kopf
 
 from berth.operator import health, naming, reconcile, render
+from berth.operator.child_problems import ChildProblems
 from berth.operator.crd_model import GROUP, PLURAL, VERSION, InvalidSpec, parse_spec
 from berth.operator.kube import Kube, KubeError
 from berth.operator.metrics import metrics
@@ -99,17 +100,14 @@ async def reconcile_children(
             memo.kube, owner, parsed, prune_extra=reason != kopf.Reason.CREATE, drift=memo.drift
         )
     except KubeError as exc:
-        if exc.status == 422:
-            # The API server refuses what this spec renders: retrying cannot help.
-            metrics().reconciles.labels("invalid").inc()
-            message = f"the API server refused a child: {exc.message}"
-            kopf.warn(body, reason="InvalidSpec", message=message)
-            _refuse(patch, generation, message)
-            raise kopf.PermanentError(f"the API server refused a child: {exc.message}") from exc
+        # Refusals (403, 422) and conflicts are in the outcome; this is the API being unwell.
         metrics().reconciles.labels("retry").inc()
         raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY) from exc
 
-    for type_, event_reason, message in outcome.events():
+    # Conflicting objects and refused writes go to the health daemon, which shows them in status
+    # and retries the refused writes with backoff while it supervises the other worlds.
+    problem_events = outcome.record(_child_problems(memo), utc_now())
+    for type_, event_reason, message in outcome.events() + problem_events:
         kopf.event(body, type=type_, reason=event_reason, message=message)
     patch.status["observedGeneration"] = generation
     patch.status["refusal"] = None
@@ -126,6 +124,12 @@ async def reconcile_children(
             f"reconciled: {len(outcome.created)} created, {len(outcome.patched)} patched, "
             f"{len(outcome.deleted)} deleted"
         )
+
+
+def _child_problems(memo: kopf.Memo) -> ChildProblems:
+    if "child_problems" not in memo:
+        memo.child_problems = ChildProblems()
+    return memo.child_problems
 
 
 def _spec_changed(memo: kopf.Memo) -> asyncio.Event:
@@ -176,6 +180,7 @@ async def supervise_worlds(
         # Replaceable (tests run the schedules on a shifted clock); real time otherwise.
         clock=memo.get("clock") or utc_now,
         wake=_spec_changed(memo).set,
+        problems=_child_problems(memo),
     )
     wake = _spec_changed(memo)
     try:

@@ -31,6 +31,8 @@ PLURALS = {
 }
 
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # server-side apply (JSON is YAML)
+FIELD_MANAGER = "berth-operator"
 
 
 class KubeError(Exception):
@@ -178,6 +180,16 @@ class Kube:
         # so the operator's desired containers/ports/ownerReferences are exactly what remains.
         path = resource_path(api_version, kind, namespace, name, subresource)
         return await self.request("PATCH", path, patch, content_type=MERGE_PATCH)
+
+    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply under the operator's field manager: the object ends up with exactly
+        the fields `obj` sets among those the operator applied before (a field it no longer
+        renders is removed), other managers' fields untouched. `force`: the operator's own
+        fields are the operator's, whoever changed them since."""
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        query = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        return await self.request("PATCH", path, obj, query=query, content_type=APPLY_PATCH)
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete with background propagation (dependents go through the garbage collector)."""

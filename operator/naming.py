@@ -20,6 +20,8 @@ ROLE = "berth.dev/role"
 # "role in (launcher, frontend)", so serving pods carry one more label the Service selects.
 ENDPOINT = "berth.dev/endpoint"
 SPEC_HASH = "berth.dev/spec-hash"
+# The digest of the rendering the operator last applied to a child (reconcile.applied_config).
+APPLIED = "berth.dev/applied"
 
 ROLES = ("launcher", "worker", "frontend")
 

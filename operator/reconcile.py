@@ -3,6 +3,11 @@ drifted, delete what is no longer wanted. Idempotent: running it twice, or after
 restart, changes nothing the first run did not (names are deterministic, creates that race
 with an existing object fall back to comparing it).
 
+Never adopt: an object with a child's name that this LLMDeployment does not control is left
+exactly as it is and reported (child_problems.py); so is a write the API server refuses (403,
+422), which a later round retries. Neither stops the rest of the deployment: a world whose own
+objects are in the way waits, the other worlds are built.
+
 Ownership of the pods is split on purpose: this module creates a world's launcher pod when it
 is missing, but never replaces a running one; replacing pods is a world restart, and world
 restarts belong to the health daemon (worlds.py), which keeps the restart history.
@@ -11,6 +16,8 @@ restarts belong to the health daemon (worlds.py), which keeps the restart histor
 from __future__ import annotations
 
 import asyncio
+import copy
+import datetime as dt
 import hashlib
 import json
 from collections.abc import Mapping
@@ -18,8 +25,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from berth.operator import credentials, naming, render
+from berth.operator.child_problems import (
+    ChildProblems,
+    ConflictingObject,
+    RefusedWrite,
+    controlled_by,
+    describe_controller,
+)
 from berth.operator.crd_model import LLMDeploymentSpec
 from berth.operator.kube import Conflict, Kube, KubeError
+
+# What an API server answers a write it refuses for good until someone changes something:
+# forbidden (admission, quota, a webhook, RBAC) and invalid. Reported and retried, not fatal.
+REFUSED = (403, 422)
 
 # Kinds the operator creates per world, pruned when a world or the frontends go away.
 # (Worker pods are the StatefulSets' own; launcher pods are pruned by their role label.)
@@ -40,6 +58,23 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     # (ref, field): patched, but the server stores that field otherwise (it normalises it).
     unconverged: list[tuple[str, str]] = field(default_factory=list)
+    conflicts: list[ConflictingObject] = field(default_factory=list)  # never adopted
+    refused: list[RefusedWrite] = field(default_factory=list)  # 403 / 422, retried later
+    succeeded: list[str] = field(default_factory=list)  # refs written (or current) this time
+
+    def record(self, problems: ChildProblems, now: dt.datetime) -> list[tuple[str, str, str]]:
+        """What a full reconcile found, into the deployment's memory of problems; returns the
+        Events for the new ones."""
+        return problems.set_conflicts(self.conflicts) + self.record_writes(problems, now)
+
+    def record_writes(self, problems: ChildProblems, now: dt.datetime) -> list[tuple[str, str, str]]:
+        """The writes of a partial reconcile (some children only): refusals and successes."""
+        events = []
+        for ref in self.succeeded:
+            problems.succeeded(ref)
+        for write in self.refused:
+            events += problems.refused(write, now)
+        return events
 
     @property
     def changed(self) -> bool:
@@ -74,6 +109,7 @@ class DriftMemory:
 
     @staticmethod
     def digest(wanted: Mapping[str, Any]) -> str:
+        """A digest of a rendering (stable: keys sorted)."""
         return hashlib.sha256(json.dumps(wanted, sort_keys=True, default=str).encode()).hexdigest()
 
     def is_stuck(self, key: tuple[str, str, str], digest: str, resource_version: str | None) -> bool:
@@ -124,7 +160,7 @@ def first_difference(desired: Any, live: Any, path: str = "") -> str:
 
 
 def managed_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a manifest the operator owns and patches back when it drifts."""
+    """The part of a manifest the operator owns and applies back when it drifts."""
     meta = obj["metadata"]
     managed: dict[str, Any] = {
         "metadata": {key: meta[key] for key in ("labels", "annotations", "ownerReferences") if key in meta}
@@ -140,34 +176,110 @@ def _ref(obj: Mapping[str, Any]) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
 
 
+def _world(obj: Mapping[str, Any]) -> int | None:
+    world = (obj["metadata"].get("labels") or {}).get(naming.WORLD, "")
+    return int(world) if world.isdigit() else None
+
+
+def _owner_uid(desired: Mapping[str, Any]) -> str:
+    return desired["metadata"]["ownerReferences"][0]["uid"]
+
+
+def _conflict(live: Mapping[str, Any], desired: Mapping[str, Any]) -> ConflictingObject:
+    return ConflictingObject(
+        desired["kind"], desired["metadata"]["name"], describe_controller(live), _world(desired)
+    )
+
+
+def applied_config(desired: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator applies: the rendering, marked with its own digest. The digest says
+    whether the object holds this rendering: a field the rendering no longer has (a nodeSelector
+    the user removed) leaves the live object a superset of it, which no comparison of fields
+    shows, and only an apply removes it."""
+    config = copy.deepcopy(dict(desired))
+    # A Secret's data is generated once, not applied: its metadata is the rendering.
+    digest = DriftMemory.digest(_identity(config) if config["kind"] == "Secret" else config)[:16]
+    config["metadata"].setdefault("annotations", {})[naming.APPLIED] = digest
+    return config
+
+
 async def ensure(
     kube: Kube, desired: Mapping[str, Any], outcome: Outcome, drift: DriftMemory | None = None
-) -> dict[str, Any]:
-    """Create `desired`, or patch its managed fields back if they drifted. Returns the live object.
+) -> dict[str, Any] | None:
+    """Create `desired`, or apply it again if the object drifted or the rendering changed.
+    Returns the live object, or None when it is not this LLMDeployment's (a conflict) or the API
+    server refused the write (both recorded in `outcome`).
 
-    Pods are created but never patched: their specs are immutable; an outdated launcher pod
-    is the daemon's to replace (a world restart).
+    Written with server-side apply (field manager berth-operator): a field the rendering no
+    longer has is removed from the child, fields other managers set are left alone. Pods and
+    Secrets are created, not applied: a pod's spec is immutable (an outdated launcher pod is the
+    daemon's to replace, a world restart), and a Secret's data is generated once, so it must not
+    be a field the operator applies (a later apply of its metadata alone would remove it).
     """
     meta = desired["metadata"]
-    live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
-    if live is None:
-        try:
-            created = await kube.create(desired)
-            outcome.created.append(_ref(desired))
-            return created
-        except Conflict:
-            # Someone (the daemon, a previous operator) created it between our read and write.
-            live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
-            if live is None:
-                raise
-        except KubeError as exc:
-            if exc.status != 422:
-                raise
-            # Refused as invalid: say which child (the stage creates several at once).
-            raise KubeError(422, f"{_ref(desired)}: {exc.message}") from exc
-    if desired["kind"] == "Pod":
-        return live
-    wanted = managed_fields(desired)
+    try:
+        live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+        if live is None:
+            try:
+                # An apply of an object that does not exist creates it. (One created by someone
+                # else between the read above and this write would be taken over: the API has
+                # no create-only apply; the window is one round trip.)
+                if desired["kind"] == "Pod":
+                    created = await kube.create(desired)
+                elif desired["kind"] == "Secret":
+                    created = await kube.create(applied_config(desired))
+                else:
+                    created = await kube.apply(applied_config(desired))
+                outcome.created.append(_ref(desired))
+                outcome.succeeded.append(_ref(desired))
+                return created
+            except Conflict:
+                # Someone (the daemon, a previous operator, a user) created it between our read
+                # and our write: whose it is decides below.
+                live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+                if live is None:
+                    raise
+    except KubeError as exc:
+        return _refused(exc, "create", desired, outcome)
+    return await keep(kube, desired, live, outcome, drift)
+
+
+async def keep(
+    kube: Kube,
+    desired: Mapping[str, Any],
+    live: dict[str, Any],
+    outcome: Outcome,
+    drift: DriftMemory | None = None,
+) -> dict[str, Any] | None:
+    """`ensure` for an object that exists: applied again if it is this LLMDeployment's, else a
+    conflict, left exactly as it is."""
+    if not controlled_by(live, _owner_uid(desired)):
+        outcome.conflicts.append(_conflict(live, desired))
+        return None
+    try:
+        result = live if desired["kind"] == "Pod" else await _apply_drift(kube, desired, live, outcome, drift)
+    except KubeError as exc:
+        return _refused(exc, "apply", desired, outcome)
+    outcome.succeeded.append(_ref(desired))
+    return result
+
+
+def _refused(exc: KubeError, verb: str, desired: Mapping[str, Any], outcome: Outcome) -> None:
+    if exc.status not in REFUSED:
+        raise exc
+    outcome.refused.append(RefusedWrite(_ref(desired), verb, exc.status, exc.message, _world(desired)))
+
+
+async def _apply_drift(
+    kube: Kube,
+    desired: Mapping[str, Any],
+    live: dict[str, Any],
+    outcome: Outcome,
+    drift: DriftMemory | None,
+) -> dict[str, Any]:
+    meta = desired["metadata"]
+    config = applied_config(desired)
+    wanted = managed_fields(config)
     key = (desired["kind"], meta["namespace"], meta["name"])
     drift = drift if drift is not None else DriftMemory()
     if is_subset(wanted, live):
@@ -175,54 +287,55 @@ async def ensure(
         return live
     digest = drift.digest(wanted)
     if drift.is_stuck(key, digest, live.get("metadata", {}).get("resourceVersion")):
-        return live  # the last identical patch changed nothing the server keeps
-    patched = await kube.patch(
-        desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"], wanted
-    )
-    # A patch that the server found to be a no-op (e.g. a quantity it normalises) keeps the
+        return live  # the last identical apply changed nothing the server keeps
+    # A Secret's metadata only: its data is not a field the operator applies.
+    applied = await kube.apply(_identity(config) if desired["kind"] == "Secret" else config)
+    # An apply that the server found to be a no-op (e.g. a quantity it normalises) keeps the
     # resourceVersion; only real changes are reported.
-    if patched.get("metadata", {}).get("resourceVersion") != live.get("metadata", {}).get("resourceVersion"):
+    if applied.get("metadata", {}).get("resourceVersion") != live.get("metadata", {}).get("resourceVersion"):
         outcome.patched.append(_ref(desired))
-    if not is_subset(wanted, patched):
-        # The server rewrote what it was sent: patching again would loop forever.
-        drift.remember(key, digest, patched.get("metadata", {}).get("resourceVersion"))
-        outcome.unconverged.append((_ref(desired), first_difference(wanted, patched)))
-    return patched
+    if not is_subset(wanted, applied):
+        # The server rewrote what it was sent: applying again would loop forever.
+        drift.remember(key, digest, applied.get("metadata", {}).get("resourceVersion"))
+        outcome.unconverged.append((_ref(desired), first_difference(wanted, applied)))
+    return applied
 
 
-async def ensure_secrets(kube: Kube, owner: render.Owner, outcome: Outcome) -> None:
-    """Create each Secret once with fresh key material; an existing one keeps its data."""
+def _identity(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The object without its content: what the operator applies of a Secret."""
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": obj["metadata"]}
+
+
+async def ensure_secrets(kube: Kube, owner: render.Owner, outcome: Outcome) -> bool:
+    """Create each Secret once with fresh key material; one this LLMDeployment controls keeps its
+    data (a reconcile must never rotate keys under a running world), one it does not control is
+    a conflict and never read. True when all three are usable."""
     makers = (
-        (
-            naming.engine_key_secret(owner.name),
-            lambda: render.engine_key_secret(owner, credentials.new_engine_key()),
-        ),
-        (
-            naming.admin_token_secret(owner.name),
-            lambda: render.admin_token_secret(owner, credentials.new_admin_token()),
-        ),
-        (
-            naming.ssh_secret(owner.name),
-            lambda: render.ssh_secret(owner, credentials.new_ssh_key_pair(owner.name)),
-        ),
+        lambda: render.engine_key_secret(owner, credentials.new_engine_key()),
+        lambda: render.admin_token_secret(owner, credentials.new_admin_token()),
+        lambda: render.ssh_secret(owner, credentials.new_ssh_key_pair(owner.name)),
     )
 
-    async def one(name: str, make: Any) -> None:
-        live = await kube.get("v1", "Secret", owner.namespace, name)
+    async def one(make: Any) -> bool:
+        desired = make()
+        name = desired["metadata"]["name"]
+        try:
+            live = await kube.get("v1", "Secret", owner.namespace, name)
+        except KubeError as exc:
+            if exc.status not in REFUSED:
+                raise
+            outcome.refused.append(RefusedWrite(f"Secret/{name}", "get", exc.status, exc.message, None))
+            return False
         if live is None:
-            # Generate only when missing: a reconcile must never rotate keys under a running world.
-            await ensure(kube, make(), outcome)
-        else:
-            # Labels and owner references are still ours to keep right; the data is not touched.
-            wanted = {"metadata": render.secret_metadata(owner, name)}
-            if not is_subset(managed_fields({"kind": "Secret", **wanted}), live):
-                await kube.patch(
-                    "v1", "Secret", owner.namespace, name, managed_fields({"kind": "Secret", **wanted})
-                )
-                outcome.patched.append(f"Secret/{name}")
+            # Generated only when missing (ensure creates it, or finds whose it is after a race).
+            return await ensure(kube, desired, outcome) is not None
+        # Labels and owner references are still ours to keep right (if it is ours); the data is
+        # never touched: the new key material above is thrown away.
+        metadata_only = {key: value for key, value in desired.items() if key != "data"}
+        return await keep(kube, metadata_only, live, outcome) is not None
 
     # Independent of each other: concurrently (each is a read and maybe a write).
-    await asyncio.gather(*(one(name, make) for name, make in makers))
+    return all(await asyncio.gather(*(one(make) for make in makers)))
 
 
 def retiring_worlds(spec: LLMDeploymentSpec, launchers: list[dict[str, Any]]) -> set[int]:
@@ -245,7 +358,11 @@ async def prune(kube: Kube, owner: render.Owner, spec: LLMDeploymentSpec, outcom
     wanted = {_ref(child) for child in render.children(owner, spec)}
     selector = {naming.MANAGED_BY: "berth", naming.DEPLOYMENT: owner.name}
     launchers = {naming.ROLE: "launcher"}
-    live_launchers = await kube.list("v1", "Pod", owner.namespace, {**selector, **launchers})
+    live_launchers = [
+        pod
+        for pod in await kube.list("v1", "Pod", owner.namespace, {**selector, **launchers})
+        if controlled_by(pod, owner.uid)
+    ]
     draining = {str(world) for world in retiring_worlds(spec, live_launchers)}
     for api_version, kind, labels in (*PRUNABLE, ("v1", "Pod", launchers)):
         found = (
@@ -256,15 +373,19 @@ async def prune(kube: Kube, owner: render.Owner, spec: LLMDeploymentSpec, outcom
         for live in found:
             # List items carry no kind on a real API server: name them from the query.
             ref = f"{kind}/{live['metadata']['name']}"
-            unwanted = ref not in wanted and _owned_by(live, owner)
+            # Only what this LLMDeployment controls: labels alone are anyone's to set.
+            unwanted = ref not in wanted and controlled_by(live, owner.uid)
             if (live["metadata"].get("labels") or {}).get(naming.WORLD) in draining:
                 continue
-            if unwanted and await kube.delete(api_version, kind, owner.namespace, live["metadata"]["name"]):
-                outcome.deleted.append(ref)
-
-
-def _owned_by(obj: Mapping[str, Any], owner: render.Owner) -> bool:
-    return any(ref.get("uid") == owner.uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+            if unwanted:
+                try:
+                    if await kube.delete(api_version, kind, owner.namespace, live["metadata"]["name"]):
+                        outcome.deleted.append(ref)
+                        outcome.succeeded.append(ref)
+                except KubeError as exc:
+                    if exc.status not in REFUSED:
+                        raise
+                    outcome.refused.append(RefusedWrite(ref, "delete", exc.status, exc.message, _world(live)))
 
 
 async def reconcile(
@@ -283,13 +404,28 @@ async def reconcile(
     latency is three stages of API round trips, not two round trips per child (14 children per
     2-world deployment took 26 sequential round trips)."""
     outcome = Outcome()
-    await ensure_secrets(kube, owner, outcome)
+    secrets_usable = await ensure_secrets(kube, owner, outcome)
     children = render.children(owner, spec)
-    for stage in (
-        [child for child in children if child["kind"] not in ("Pod", "Deployment")],
-        [child for child in children if child["kind"] in ("Pod", "Deployment")],
-    ):
-        await asyncio.gather(*(ensure(kube, child, outcome, drift) for child in stage))
+    # Every pod mounts the Secrets: none is made from a Secret that is not this deployment's.
+    mounts_secrets = ("StatefulSet", "Pod", "Deployment")
+    first = [
+        child
+        for child in children
+        if child["kind"] not in ("Pod", "Deployment")
+        and (secrets_usable or child["kind"] not in mounts_secrets)
+    ]
+    await asyncio.gather(*(ensure(kube, child, outcome, drift) for child in first))
+    # A world whose hostfile, Service or StatefulSet is someone else's, or was refused, gets no
+    # launcher: mpirun would look for what is not there (or not ours).
+    held_up = {conflict.world for conflict in outcome.conflicts} | {
+        refused.world for refused in outcome.refused if refused.verb == "create"
+    }
+    second = [
+        child
+        for child in children
+        if child["kind"] in ("Pod", "Deployment") and secrets_usable and _world(child) not in held_up
+    ]
+    await asyncio.gather(*(ensure(kube, child, outcome, drift) for child in second))
     if prune_extra:
         await prune(kube, owner, spec, outcome)
     return outcome

@@ -19,10 +19,11 @@ from typing import Any
 import httpx
 
 from berth.operator import conditions, engine_admin, naming, reconcile, render, rollout, schedule, worlds
+from berth.operator.child_problems import ChildProblems, RefusedWrite, controlled_by, controller_of
 from berth.operator.crd_model import API_VERSION, KIND, InvalidSpec, LLMDeploymentSpec, parse_spec
 from berth.operator.credentials import unb64
 from berth.operator.health import AddressResolver, Probe, probe, resolve
-from berth.operator.kube import Conflict, Kube
+from berth.operator.kube import Conflict, Kube, KubeError
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import format_time, parse_time
 
@@ -32,6 +33,8 @@ FAST_INTERVAL = 2.0
 TRANSITION_RETRY_SECONDS = 30.0
 # Phases in which the engine answers its admin routes.
 ANSWERING_PHASES = ("Ready", "NotReady", "Sleeping", "Waking")
+# How often a deployment blocked by an object it does not control looks whether it is gone.
+CONFLICT_RECHECK = 10.0
 EventSink = Callable[[str, str, str], None]  # (type, reason, message)
 Clock = Callable[[], dt.datetime]
 
@@ -58,6 +61,7 @@ class Supervisor:
         drift: reconcile.DriftMemory | None = None,
         clock: Clock = utc_now,
         wake: Callable[[], None] | None = None,
+        problems: ChildProblems | None = None,
     ) -> None:
         self.kube = kube
         self.http = http
@@ -76,6 +80,8 @@ class Supervisor:
         self.transitions = engine_admin.Transitions(on_end=wake)
         self._admin_token: str | None = None
         self._addresses: dict[int, tuple[str, int]] = {}  # world -> its launcher's address, this round
+        # Conflicting objects and refused writes, shared with the reconcile handler.
+        self.problems = problems if problems is not None else ChildProblems()
 
     def close(self) -> None:
         """Stop waiting for transitions in flight (the engines finish them on their own; a
@@ -113,8 +119,10 @@ class Supervisor:
 
         owner = render.Owner(name=name, namespace=namespace, uid=meta["uid"])
         reconciled = (body.get("status") or {}).get("observedGeneration") is not None
+        # The reconcile handler has acted on this very generation (it sets observedGeneration).
+        reconciled_now = (body.get("status") or {}).get("observedGeneration") == meta.get("generation")
         await self._resync(owner, spec, reconciled, now)
-        pods = await self.kube.list("v1", "Pod", namespace, {naming.DEPLOYMENT: name})
+        pods = await self._own_pods(owner)
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         previous_worlds = {world.get("index"): world for world in previous_status.get("worlds") or []}
         token = await self._token(owner)
@@ -134,7 +142,11 @@ class Supervisor:
                 self._order_replacement(index, step, pods, orders)
             elif step.status.get("replacedPods"):
                 orders[index] = ("replace", step.status.pop("replacingNow"))
-            elif reconciled and naming.launcher_pod_name(name, index) not in by_name:
+            elif (
+                reconciled
+                and naming.launcher_pod_name(name, index) not in by_name
+                and self._may_create_launcher(owner, index, now)
+            ):
                 # Launchers are bare pods: this loop is their controller.
                 orders[index] = ("create", [])
             if index in finished:
@@ -181,7 +193,20 @@ class Supervisor:
         self.metrics.set_rollout(namespace, name, rolling.memory, spec.replicas)
         retiring = await self._retire_worlds(owner, spec, pods, previous_worlds, finished, token, now)
 
-        conds, phase = conditions.summarise(statuses, spec.replicas, sleep=intent, retiring=retiring)
+        for world_status in statuses:
+            errors = self.problems.world_errors(world_status["index"])
+            if errors:
+                world_status["apiErrors"] = errors
+        conflicts = [conflict.describe() for _, conflict in sorted(self.problems.conflicts.items())]
+        conds, phase = conditions.summarise(
+            statuses,
+            spec.replicas,
+            sleep=intent,
+            retiring=retiring,
+            conflicts=conflicts,
+            rollout=rolling.memory,
+            reconciled=reconciled_now,
+        )
         ready = sum(1 for world in statuses if world.get("phase") == "Ready")
         self.metrics.set_world_phases(namespace, name, [world["phase"] for world in statuses])
         extra = {
@@ -189,6 +214,8 @@ class Supervisor:
             "nextTransition": evaluation.next_transition,
             "modelRevision": self._model_revision(statuses),
             "rollout": rolling.memory,
+            "conflicts": self.problems.conflicts_status() or None,
+            "apiErrors": self.problems.deployment_errors() or None,
         }
         # Status first, then the pods: a restart is counted (and its backoff started) before any
         # pod goes, so a failed status write can never make one death count twice.
@@ -205,9 +232,9 @@ class Supervisor:
                 )
         for index, (action, doomed_names) in sorted(orders.items()):
             if action == "replace":
-                await self._replace_world(owner, spec, index, doomed_names)
+                await self._replace_world(owner, spec, index, doomed_names, now)
             else:
-                await self._create_launcher(owner, spec, index)
+                await self._create_launcher(owner, spec, index, now)
         interval = float(spec.health.interval_seconds)
         if (
             retiring
@@ -216,6 +243,10 @@ class Supervisor:
         ):
             # A world on its way up (or down) is polled more often than a settled one.
             interval = min(interval, FAST_INTERVAL)
+        self.problems.forget_worlds_from(spec.replicas)
+        retry = self.problems.seconds_until_retry(now)
+        if retry is not None:
+            interval = min(interval, retry + 0.01)  # a refused write is tried again at its time
         until = schedule.seconds_until(evaluation.next_transition, now)
         if until is not None:
             # Wake up for the next scheduled transition: it happens at its time, not a poll later.
@@ -285,9 +316,12 @@ class Supervisor:
                 statuses.append(status)
                 continue
             # Parked, drained, never up, or dead: nothing in flight to wait for.
-            await self.kube.delete("v1", "Pod", owner.namespace, launcher_name)
-            self.post_event("Normal", "WorldRemoved", f"world {index} removed: replicas is {spec.replicas}")
-            removed = True
+            deletion = self.kube.delete("v1", "Pod", owner.namespace, launcher_name)
+            if await self._write(index, f"Pod/{launcher_name}", "delete", now, deletion):
+                self.post_event(
+                    "Normal", "WorldRemoved", f"world {index} removed: replicas is {spec.replicas}"
+                )
+                removed = True
         if removed:
             outcome = reconcile.Outcome()
             await reconcile.prune(self.kube, owner, spec, outcome)
@@ -301,6 +335,10 @@ class Supervisor:
             secret = await self.kube.get(
                 "v1", "Secret", owner.namespace, naming.admin_token_secret(owner.name)
             )
+            if secret is None or not controlled_by(secret, owner.uid):
+                # Someone else's Secret of that name is never read: its value would go, as a
+                # bearer token, to whatever pod answers at a launcher's address.
+                return None
             token = ((secret or {}).get("data") or {}).get("token")
             self._admin_token = unb64(token) if token else None
         return self._admin_token
@@ -399,7 +437,9 @@ class Supervisor:
             self.post_event(
                 "Normal",
                 "WorldReplaced",
-                f"world {index} replaced: its {outdated or 'launcher'} pod spec changed",
+                f"world {index} replaced: its StatefulSet's immutable fields changed"
+                if outdated == "statefulset"
+                else f"world {index} replaced: its {outdated or 'launcher'} pod spec changed",
             )
             return
         if address is None or self.transitions.busy(index):
@@ -478,11 +518,15 @@ class Supervisor:
         if self._last_resync is None or not reconciled:
             self._last_resync = now
             return
-        if (now - self._last_resync).total_seconds() < self.resync_seconds:
+        since = (now - self._last_resync).total_seconds()
+        # A refused write's retry is due, or an object in the way may have gone (looked at more
+        # often than the resync, so the deployment goes on soon after someone removes it).
+        due = self.problems.reconcile_due(now) or (self.problems.conflicts and since >= CONFLICT_RECHECK)
+        if not due and since < self.resync_seconds:
             return
         self._last_resync = now
         outcome = await reconcile.reconcile(self.kube, owner, spec, prune_extra=True, drift=self.drift)
-        for event in outcome.events():
+        for event in outcome.events() + outcome.record(self.problems, now):
             self.post_event(*event)
 
     async def _judge(
@@ -496,6 +540,18 @@ class Supervisor:
         now: dt.datetime,
         token: str | None = None,
     ) -> tuple[worlds.WorldStep, str | None, str | None]:
+        blocking = self.problems.world_conflicts(index)
+        if blocking:
+            # Nothing of this world is touched or polled while an object in its way is someone else's.
+            status = {key: previous[key] for key in worlds.PERSISTENT if key in previous}
+            status.update(
+                index=index,
+                launcherPod=naming.launcher_pod_name(owner.name, index),
+                ready=False,
+                phase="Blocked",
+                message="; ".join(conflict.describe() for conflict in blocking),
+            )
+            return worlds.WorldStep(status=status), None, None
         launcher = by_name.get(naming.launcher_pod_name(owner.name, index))
         workers = [
             pod
@@ -541,6 +597,10 @@ class Supervisor:
             and step.status.get("modelRevisionLabel") == spec.model.revision
         ):
             outdated = None  # swapped in place already: the pod's command names the old weights
+        if outdated is None and self.problems.immutable_statefulset(naming.world_name(owner.name, index)):
+            # The API server will not patch its StatefulSet (a field that never changes differs):
+            # the world is drained and its StatefulSet replaced, like any rollout.
+            outdated = "statefulset"
         return step, None, outdated
 
     @staticmethod
@@ -613,7 +673,7 @@ class Supervisor:
         return "worker"
 
     async def _replace_world(
-        self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, doomed: list[str]
+        self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, doomed: list[str], now: dt.datetime
     ) -> None:
         """Delete the launcher and every worker pod together, then start a new launcher.
 
@@ -621,13 +681,79 @@ class Supervisor:
         the hostfile stays valid); the launcher is ours to recreate (once the old one is gone).
         """
         for name in doomed:
-            await self.kube.delete("v1", "Pod", owner.namespace, name)
-        await self._create_launcher(owner, spec, index)
+            await self._write(
+                index, f"Pod/{name}", "delete", now, self.kube.delete("v1", "Pod", owner.namespace, name)
+            )
+        world_name = naming.world_name(owner.name, index)
+        if self.problems.immutable_statefulset(world_name):
+            # Deleted (its pods go with it, background propagation) and created anew from the spec.
+            deletion = self.kube.delete("apps/v1", "StatefulSet", owner.namespace, world_name)
+            if await self._write(index, f"StatefulSet/{world_name}", "delete", now, deletion):
+                outcome = reconcile.Outcome()
+                sts = render.worker_statefulset(owner, spec, index)
+                await reconcile.ensure(self.kube, sts, outcome, self.drift)
+                for event in outcome.events() + outcome.record_writes(self.problems, now):
+                    self.post_event(*event)
+        if self._may_create_launcher(owner, index, now):
+            await self._create_launcher(owner, spec, index, now)
 
-    async def _create_launcher(self, owner: render.Owner, spec: LLMDeploymentSpec, index: int) -> None:
+    async def _create_launcher(
+        self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, now: dt.datetime
+    ) -> None:
         # Conflict: the old pod is still terminating (graceful deletion); the next round tries again.
         with contextlib.suppress(Conflict):
-            await self.kube.create(render.launcher_pod(owner, spec, index))
+            ref = f"Pod/{naming.launcher_pod_name(owner.name, index)}"
+            await self._write(
+                index, ref, "create", now, self.kube.create(render.launcher_pod(owner, spec, index))
+            )
+
+    async def _write(self, index: int | None, ref: str, verb: str, now: dt.datetime, call: Any) -> bool:
+        """One write of this loop's own; a refusal is recorded (status, an Event) and retried with
+        backoff, and the round goes on with the other worlds."""
+        try:
+            await call
+        except KubeError as exc:
+            if exc.status not in reconcile.REFUSED:
+                raise
+            for event in self.problems.refused(RefusedWrite(ref, verb, exc.status, exc.message, index), now):
+                self.post_event(*event)
+            return False
+        self.problems.succeeded(ref)
+        return True
+
+    def _may_create_launcher(self, owner: render.Owner, index: int, now: dt.datetime) -> bool:
+        """Not while the world is blocked by a conflict, while the launcher's last create backs
+        off, or while a child it needs could not be created."""
+        ref = f"Pod/{naming.launcher_pod_name(owner.name, index)}"
+        needed = {
+            f"ConfigMap/{naming.hostfile_name(owner.name, index)}",
+            f"Service/{naming.world_name(owner.name, index)}",
+            f"StatefulSet/{naming.world_name(owner.name, index)}",
+        }
+        missing = any(
+            refusal.write.verb == "create" for key, refusal in self.problems.refusals.items() if key in needed
+        )
+        return not (self.problems.world_conflicts(index) or self.problems.waiting(ref, now) or missing)
+
+    async def _own_pods(self, owner: render.Owner) -> list[dict[str, Any]]:
+        """The launcher and worker pods of this LLMDeployment: a launcher it controls, a worker its
+        StatefulSet controls. A pod that only carries the labels is someone else's (and is never
+        polled with the admin token, restarted or deleted)."""
+        selector = {naming.DEPLOYMENT: owner.name}
+        statefulsets = {
+            sts["metadata"]["uid"]
+            for sts in await self.kube.list("apps/v1", "StatefulSet", owner.namespace, selector)
+            if controlled_by(sts, owner.uid)
+        }
+        own = []
+        for pod in await self.kube.list("v1", "Pod", owner.namespace, selector):
+            role = (pod["metadata"].get("labels") or {}).get(naming.ROLE)
+            controller = controller_of(pod) or {}
+            if (role == "launcher" and controller.get("uid") == owner.uid) or (
+                role == "worker" and controller.get("uid") in statefulsets
+            ):
+                own.append(pod)
+        return own
 
     async def _write_status(
         self,

@@ -28,6 +28,13 @@ async def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
         # kopf's kubeconfig login reads $KUBECONFIG when it logs in.
         monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         yield cluster
+        # The emulator prunes like an API server; the operator must never write what it prunes.
+        assert not cluster.emulator.rule_errors, (
+            f"the CRD's CEL rules are broken: {cluster.emulator.rule_errors}"
+        )
+        assert not cluster.pruned_from_operator(), (
+            f"the CRD's schema does not declare fields the operator wrote: {cluster.pruned_from_operator()}"
+        )
 
 
 @pytest.fixture

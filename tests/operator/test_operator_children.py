@@ -15,6 +15,7 @@ from berth.operator import naming
 from tests.support.argocd_health import argocd_health
 from tests.support.cluster import Cluster, ClusterSim, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
+from tests.support.kstatus import kstatus
 from tests.support.operator_runner import running_operator
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
@@ -180,6 +181,12 @@ async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
     assert conditions["Available"]["status"] == "True"
     assert conditions["Degraded"]["status"] == "False"
     assert [world["phase"] for world in status["worlds"]] == ["Ready", "Ready"]
+    assert kstatus(cr)[0] == "Current"
+    assert {c["type"]: c["status"] for c in status["conditions"]}.items() >= {
+        "Reconciling": "False",
+        "Stalled": "False",
+    }.items()
+    assert all(c["observedGeneration"] == cr["metadata"]["generation"] for c in status["conditions"])
     # The operator wrote only status: the spec is exactly what was applied.
     assert cr["spec"]["replicas"] == 2 and "kopf.zalando.org/last-handled-configuration" not in str(
         cr["metadata"]
@@ -302,7 +309,9 @@ async def test_children_changed_behind_the_operators_back_are_repaired(
 async def test_an_invalid_spec_is_degraded_with_the_reason_and_builds_nothing(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
-    # The emulator does not run the CRD's validation; the operator's own check must hold.
+    # An API server without the CRD's rules (an older CRD, or none): the operator's own check
+    # must hold. (With them, the apply itself is refused: test_operator_crd_schema.py.)
+    cluster.emulator.validate_cel = False
     bad = yaml.safe_load(EXAMPLE.read_text())
     bad["spec"].update(tensorParallelSize=3, gpusPerNode=2)
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
@@ -317,5 +326,6 @@ async def test_an_invalid_spec_is_degraded_with_the_reason_and_builds_nothing(
     assert "tensorParallelSize must be a multiple of gpusPerNode" in degraded["message"]
     assert llmd(cluster)["status"]["observedGeneration"] == llmd(cluster)["metadata"]["generation"]
     assert "tensorParallelSize must be a multiple of gpusPerNode" in argocd_health(llmd(cluster))["message"]
+    assert kstatus(llmd(cluster))[0] == "Failed"  # kstatus: it needs a human
     for resource in [*EXPECTED, "v1/pods"]:
         assert cluster.names(resource) == [], resource

@@ -30,6 +30,7 @@ from berth.operator.crd_model import parse_spec
 from tests.support.argocd_health import argocd_health
 from tests.support.cluster import Cluster, ClusterSim, sampling, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineEndpoint, EngineFleet
+from tests.support.kstatus import kstatus
 from tests.support.operator_runner import running_operator
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
@@ -187,28 +188,46 @@ async def test_a_rolling_change_drains_one_world_at_a_time_and_fails_no_request(
         async with recorded_statuses(cluster) as seen, steady_client(fleet) as tally:
             await wait_for(lambda: tally["ok"] >= 5, 30, "the client's first answers")
             assert status(cluster)["rollout"]["complete"] is True  # nothing to roll out yet
+            assert kstatus(llmd(cluster))[0] == "Current"
             await patch_spec(cluster, {"env": [{"name": "BERTH_ROLLOUT_TEST", "value": "2"}]})
-            under_way = await wait_for(
-                lambda: (rollout := status(cluster).get("rollout") or {}).get("inFlight") and rollout,
-                30,
-                "the rollout under way",
-            )
-            assert "complete" not in under_way, under_way  # the last rollout's word went with it
-            healths: list[tuple[str, bool]] = []
+            # The real kubectl waits for Ready: it must block until every world runs the new spec.
+            wait = ("wait", "--for=condition=Ready", "llmd/llama", f"--timeout={int(ROLLOUT_TIMEOUT)}s")
+            async with cluster.kubectl_running(*wait) as waiter:
+                under_way = await wait_for(
+                    lambda: (rollout := status(cluster).get("rollout") or {}).get("inFlight") and rollout,
+                    30,
+                    "the rollout under way",
+                )
+                assert "complete" not in under_way, under_way  # the last rollout's word went with it
+                healths: list[tuple[str, bool]] = []
+                kstatuses: list[tuple[str, bool]] = []
+                waited: list[tuple[bool, bool]] = []  # (kubectl wait returned, rollout complete)
 
-            gauges: list[tuple[float, ...]] = []
+                gauges: list[tuple[float, ...]] = []
 
-            def judged() -> bool:  # what Argo CD and the metric say at each poll, until complete
-                current = llmd(cluster)
-                complete = bool(((current.get("status") or {}).get("rollout") or {}).get("complete"))
-                healths.append((argocd_health(current)["status"], complete))
-                gauges.append(rollout_gauge())
-                return rollout_complete(cluster)
+                def judged() -> bool:  # what Argo CD, kstatus, kubectl and the metric say, until complete
+                    current = llmd(cluster)
+                    complete = rollout_complete(cluster)
+                    healths.append((argocd_health(current)["status"], complete))
+                    kstatuses.append((kstatus(current)[0], complete))
+                    waited.append((waiter.returncode is not None, complete))
+                    gauges.append(rollout_gauge())
+                    return complete
 
-            await wait_for(judged, ROLLOUT_TIMEOUT, "the rollout complete")
+                await wait_for(judged, ROLLOUT_TIMEOUT, "the rollout complete")
+                await asyncio.wait_for(waiter.wait(), 30)
+                out, err = await waiter.communicate()
+                assert waiter.returncode == 0, err.decode()
+                assert "condition met" in out.decode()
             await wait_for(lambda: rollout_gauge() == (2.0, 0.0, 0.0), 10, "the rollout metric: both done")
             await wait_for(lambda: tally["ok"] >= 5 + 10, 30, "answers after the rollout")
         assert argocd_health(llmd(cluster))["status"] == "Healthy"
+        assert kstatus(llmd(cluster))[0] == "Current"
+
+    # kubectl wait --for=condition=Ready did not return while the rollout was under way.
+    assert [w for w in waited if w[0] and not w[1]] == [], waited
+    assert ("InProgress", False) in kstatuses
+    assert [k for k, complete in kstatuses if not complete and k == "Current"] == [], kstatuses
 
     assert tally["failed"] == [], tally
     # Never Healthy before the rollout completed, even while both worlds were ready between two.
@@ -439,3 +458,57 @@ async def test_a_rolling_change_while_the_worlds_sleep_replaces_each_in_turn_and
     assert any(phase[0] != "Sleeping" for phase in seen) and any(phase[1] != "Sleeping" for phase in seen)
     for index in (0, 1):
         assert (await fleet.for_pod(LAUNCHERS[index]).get("/admin/state")).json()["admission"] == "parked"
+
+
+async def test_an_operator_restarted_after_a_rollout_stopped_keeps_it_stopped(
+    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    # The rollout's stop lives only in status.rollout, written through the emulator that prunes
+    # what the CRD does not declare: a restarted operator must find it there, not start over.
+    other_shapes = tmp_path / "other-shapes"
+    make_tiny_model(other_shapes, num_layers=3, seed=3)  # a checkpoint the engines refuse to swap in
+    reasons = ("RolloutStarted", "RolloutWorld", "WeightSwapFailed", "RolloutFailed")
+    async with running_operator(cluster, fleet.resolve):
+        await two_ready_worlds(cluster, tmp_path, fleet.model, inPlaceWeightSwap=True)
+        await patch_spec(cluster, {"model": {"path": str(other_shapes), "name": "llama"}})
+        await wait_for(
+            lambda: (status(cluster).get("rollout") or {}).get("failed"),
+            ROLLOUT_TIMEOUT,
+            "the rollout stopped",
+        )
+        await wait_for(
+            lambda: [w.get("phase") for w in status(cluster)["worlds"]] == ["Ready", "Ready"],
+            ROLLOUT_TIMEOUT,
+            "world 0 serving its old weights again",
+        )
+    stopped = status(cluster)["rollout"]
+    before = {reason: len(events(cluster, reason)) for reason in reasons}
+    reconciled = REGISTRY.get_sample_value("berth_operator_reconciles_total", {"result": "success"}) or 0
+
+    async with running_operator(cluster, fleet.resolve):
+        await wait_for(
+            lambda: (
+                (REGISTRY.get_sample_value("berth_operator_reconciles_total", {"result": "success"}) or 0)
+                > reconciled
+            ),
+            30,
+            "the resumed operator's reconcile",
+        )
+        await asyncio.sleep(8)  # more than two health rounds (intervalSeconds 3) of the new operator
+
+    assert stopped["failed"]["world"] == 0 and "refused the new model" in stopped["failed"]["message"]
+    assert kstatus(llmd(cluster))[0] == "Failed"
+    assert status(cluster)["rollout"] == stopped
+    assert (
+        {reason: len(events(cluster, reason)) for reason in reasons}
+        == before
+        == {
+            "RolloutStarted": 1,
+            "RolloutWorld": 1,
+            "WeightSwapFailed": 1,
+            "RolloutFailed": 1,
+        }
+    )
+    for name in LAUNCHERS:  # neither world taken out of service again
+        assert (await fleet.for_pod(name).get("/admin/state")).json()["admission"] == "running"
+    assert sorted(fleet.started) == sorted(LAUNCHERS)

@@ -4,7 +4,8 @@ The operator depends on these, so the emulator must not be kinder than a cluster
 - object names: DNS-1123 subdomains, and DNS-1035 labels for Services (their name becomes a DNS
   label); a pod's `hostname` and `subdomain`: DNS-1123 labels;
 - label keys and values (values at most 63 characters), on objects and on pod templates;
-- quantities are stored in canonical form (`0.5` → `500m`) and empty env values are dropped
+- quantities must be quantities, and are stored in canonical form (`0.5` → `500m`; computed by
+  tests/support/quantities.py, not by the operator's own function) and empty env values are dropped
   (`{"name": X, "value": ""}` is stored as `{"name": X}`): a client that compares what it sent
   with what it reads sees a difference.
 The messages follow the API server's (k8s.io/apimachinery/pkg/util/validation).
@@ -16,7 +17,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from berth.operator.quantity import canonical_quantity
+from tests.support.quantities import canonical, is_quantity
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -106,10 +107,46 @@ def problems(plural: str, obj: dict[str, Any], *, creating: bool) -> list[str]:
             (template.get("metadata") or {}).get("labels") or {}, "spec.template.metadata.labels"
         )
     for where, pod_spec in _pod_specs(obj):
+        for index, container in enumerate(pod_spec.get("containers") or []):
+            for part in ("requests", "limits"):
+                for key, value in ((container.get("resources") or {}).get(part) or {}).items():
+                    if value is not None and not is_quantity(value):
+                        found.append(
+                            f"{where}.containers[{index}].resources.{part}[{key}]: Invalid value: {value!r}: "
+                            "quantities must match the regular expression "
+                            "'^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
+                        )
         for field in ("hostname", "subdomain"):
             if pod_spec.get(field) and (problem := _label_problem(str(pod_spec[field]))):
                 found.append(f"{where}.{field}: Invalid value: {pod_spec[field]!r}: {problem}")
     return found
+
+
+# What a StatefulSet update may change (k8s.io/kubernetes pkg/apis/apps/validation).
+STATEFULSET_MUTABLE = (
+    "replicas",
+    "ordinals",
+    "template",
+    "updateStrategy",
+    "persistentVolumeClaimRetentionPolicy",
+    "minReadySeconds",
+)
+STATEFULSET_IMMUTABLE_MESSAGE = (
+    "spec: Forbidden: updates to statefulset spec for fields other than 'replicas', 'ordinals', "
+    "'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' "
+    "are forbidden"
+)
+
+
+def update_problems(plural: str, stored: dict[str, Any], updated: dict[str, Any]) -> list[str]:
+    """Why the API server refuses to turn `stored` into `updated` (fields that never change)."""
+    if plural != "statefulsets":
+        return []
+    before, after = stored.get("spec") or {}, updated.get("spec") or {}
+    fixed = (set(before) | set(after)) - set(STATEFULSET_MUTABLE)
+    if any(before.get(key) != after.get(key) for key in fixed):
+        return [STATEFULSET_IMMUTABLE_MESSAGE]
+    return []
 
 
 def normalize(obj: dict[str, Any]) -> None:
@@ -120,7 +157,7 @@ def normalize(obj: dict[str, Any]) -> None:
                 quantities = (container.get("resources") or {}).get(part)
                 if isinstance(quantities, dict):
                     for key, value in quantities.items():
-                        quantities[key] = canonical_quantity(value)
+                        quantities[key] = canonical(value)
             for var in container.get("env") or []:
                 if var.get("value") == "":
                     del var["value"]  # omitempty: the stored object has no value at all

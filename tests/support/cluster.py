@@ -31,7 +31,10 @@ from typing import Any
 import aiohttp
 import kmock
 
+from berth.operator.kube import Kube
 from tests.support.kube_emulator import Emulator, declare_resources
+
+OPERATOR_USER_AGENT = Kube.USER_AGENT
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,19 @@ class Cluster:
     def names(self, resource: str, namespace: str = "default") -> list[str]:
         return [obj["metadata"]["name"] for obj in self.objects(resource, namespace)]
 
+    def event_messages(self, reason: str) -> list[str]:
+        """The messages of the Events with this reason, oldest first."""
+        return [e.get("message", "") for e in self.objects("v1/events") if e.get("reason") == reason]
+
+    def pruned_from_operator(self) -> list[tuple[str, str, str, str]]:
+        """Fields of the operator's writes that the schema does not declare (a real API server
+        drops them silently: the operator would lose them at its next restart)."""
+        return [
+            entry
+            for entry in self.emulator.pruned
+            if entry[3].startswith("kopf/") or entry[3] == OPERATOR_USER_AGENT
+        ]
+
     def all_live(self) -> Iterator[tuple[Any, str | None, dict[str, Any]]]:
         for (res, ns, _), obj in list(self.emulator.objects.items()):
             if not obj.deleted:
@@ -155,6 +171,24 @@ class Cluster:
             if response.status >= 400:
                 raise AssertionError(f"{method} {path}: HTTP {response.status}: {payload}")
             return payload
+
+    @contextlib.asynccontextmanager
+    async def kubectl_running(self, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+        """The real kubectl started in the background (e.g. `wait`); killed on exit if still running."""
+        process = await asyncio.create_subprocess_exec(
+            "kubectl",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--cache-dir={self.cache_dir}",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            yield process
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
 
     async def kubectl(self, *args: str, timeout: float = 30.0, check: bool = True) -> str:
         """Run the real kubectl against the emulator (async: the emulator shares this loop)."""

@@ -22,6 +22,11 @@ Further gaps found while building the operator's tests, fixed here too:
 - every request is matched against each reaction by scanning the whole request history
   (`request in view` iterates every past request through the filters), so each request costs
   O(requests so far): 100 LLMDeployments took minutes. A filter now tests the one request.
+
+And what a real API server does that the operator relies on: custom resources pruned against
+the CRD's structural schema and checked by its CEL rules (structural.py, cel_rules.py),
+server-side apply with managedFields (server_side_apply.py), a StatefulSet's immutable fields,
+admission-style denials of named objects (deny()).
 """
 
 from __future__ import annotations
@@ -34,13 +39,17 @@ import re
 import secrets
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import kmock
+import yaml
 from kmock._internal import dicts, dsl, enums, parsing, rendering
 from kmock._internal.k8s import KubernetesScaffold
 
-from tests.support import api_rules
+from tests.support import api_rules, cel_rules, server_side_apply, structural
+
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "llmdeployment.yaml"
 
 _original_parse_path = parsing.parse_path
 
@@ -193,8 +202,73 @@ class Emulator(kmock.KubernetesEmulator):
         # Set per instance: tests arm them.
         self.slow_creates = {}
         self.failures: list[tuple[str, str, str | None, int]] = []  # (method, plural, subresource, status)
+        self.denials: dict[tuple[str, str, str | None], tuple[int, str]] = {}  # see deny()
         # Extra rewrites a test wants the "server" to make: f(plural, body) on creates and patches.
         self.normalizers: list[Callable[[str, dict[str, Any]], None]] = []
+        # (group, version, plural) -> the custom resource's structural schema (declare_resources).
+        self.schemas: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # The schema's CEL rules run on every write of a custom resource; False plays an API
+        # server without them (an older CRD, or none), which the operator must survive too.
+        self.validate_cel = True
+        self.rule_errors: list[str] = []  # rules that did not compile or evaluate (a broken CRD)
+        # Fields the "server" dropped because the schema does not declare them, as
+        # (plural, name, path, User-Agent): a real server drops them without a word.
+        self.pruned: list[tuple[str, str, str, str]] = []
+
+    def _schema(self, request: Any) -> dict[str, Any] | None:
+        resource = request.resource
+        return self.schemas.get((resource.group, resource.version, resource.plural))
+
+    def _cel_response(self, request: Any, obj: dict[str, Any]) -> Any | None:
+        """422 with the rules' messages when `obj` breaks one of its CRD's CEL rules."""
+        schema = self._schema(request)
+        if schema is None or not self.validate_cel:
+            return None
+        try:
+            messages = cel_rules.violations(schema, obj)
+        except cel_rules.RuleError as error:
+            self.rule_errors.append(str(error))
+            return _status_response(500, "InternalError", str(error))
+        if not messages:
+            return None
+        info = self.resources.get(request.resource) or kmock.ResourceInfo()
+        kind = f"{info.kind}.{request.resource.group}"
+        name = (obj.get("metadata") or {}).get("name") or request.name
+        listed = messages[0] if len(messages) == 1 else "[" + ", ".join(messages) + "]"
+        return _status_response(422, "Invalid", f'{kind} "{name}" is invalid: {listed}')
+
+    def _prune(self, request: Any) -> None:
+        """Drop what the custom resource's schema does not declare, as the API server does. A
+        merge patch is pruned like the object it is merged into (the stored object is pruned
+        already, so the result is the same)."""
+        schema = self._schema(request)
+        if schema is None or not isinstance(request.data, dict):
+            return
+        name = (request.data.get("metadata") or {}).get("name") or request.name or ""
+        agent = request.headers.get("User-Agent", "")
+        for path in structural.prune(schema, request.data, root=True):
+            self.pruned.append((request.resource.plural, name, path, agent))
+
+    def deny(self, verb: str, plural: str, name: str, message: str, status: int = 403) -> None:
+        """Refuse every `verb` (create, update, delete) of the object `name` until `allow()`, as an
+        admission plugin or a webhook would (Pod Security, a ResourceQuota, a policy engine)."""
+        self.denials[verb, plural, name] = (status, message)
+
+    def allow(self, verb: str, plural: str, name: str) -> None:
+        self.denials.pop((verb, plural, name), None)
+
+    def _denied(self, request: Any) -> tuple[int, str] | None:
+        verb = {
+            enums.action.CREATE: "create",
+            enums.action.UPDATE: "update",
+            enums.action.DELETE: "delete",
+        }.get(request.action)
+        if verb is None or request.resource is None or request.subresource is not None:
+            return None
+        name = request.name
+        if verb == "create" and isinstance(request.data, dict):
+            name = (request.data.get("metadata") or {}).get("name")
+        return self.denials.get((verb, request.resource.plural, name))
 
     def fail_next(self, method: str, plural: str, subresource: str | None = None, status: int = 500) -> None:
         """The next matching request fails with `status` (an API server having a bad moment)."""
@@ -211,17 +285,124 @@ class Emulator(kmock.KubernetesEmulator):
                 return status
         return None
 
+    def _list_keys(self, request: Any) -> server_side_apply.ListKeys:
+        schema = self._schema(request)
+        if schema is None:
+            return server_side_apply.builtin_list_keys
+        return lambda names: structural.list_map_keys(schema, names)
+
+    @staticmethod
+    def _field_manager(request: Any) -> str:
+        # The API server's default: the client's user agent up to its first "/".
+        return (request.params or {}).get("fieldManager") or request.headers.get("User-Agent", "").split("/")[
+            0
+        ]
+
+    def _record_update(self, request: Any) -> None:
+        """managedFields for a create, update or merge patch of the main resource."""
+        if request.subresource is not None or not isinstance(request.data, dict):
+            return
+        before = self._stored(request) if request.action == enums.action.UPDATE else None
+        if request.action == enums.action.UPDATE and before is None:
+            return
+        after = dicts.patch_dict(before, request.data) if before is not None else copy.deepcopy(request.data)
+        after = copy.deepcopy(dict(after))
+        server_side_apply.record_update(
+            before, after, self._field_manager(request), None, self._list_keys(request)
+        )
+        request.data.setdefault("metadata", {})["managedFields"] = after["metadata"]["managedFields"]
+
+    async def _apply(self, request: Any) -> Any:
+        """Server-side apply (server_side_apply.py): create or merge, with managedFields."""
+        config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text or "{}")
+        params = request.params or {}
+        manager = params.get("fieldManager")
+        plural = request.resource.plural or ""
+        if not manager:
+            return await _status_response(422, "Invalid", "fieldManager is required for apply requests")(
+                request
+            )
+        if not isinstance(config, dict):
+            return await _status_response(400, "BadRequest", "the apply configuration is not an object")(
+                request
+            )
+        config.setdefault("metadata", {}).setdefault("name", request.name)
+        if request.namespace:
+            config["metadata"].setdefault("namespace", request.namespace)
+        stored = self._stored(request)
+        denial = self.denials.get(("create" if stored is None else "update", plural, request.name))
+        if denial is not None:
+            return await _denial_response(*denial)(request)
+        problems = api_rules.problems(plural, config, creating=stored is None)
+        schema = self._schema(request)
+        if schema is not None:
+            for path in structural.prune(schema, config, root=True):
+                self.pruned.append((plural, request.name or "", path, request.headers.get("User-Agent", "")))
+        api_rules.normalize(config)
+        for normalizer in self.normalizers:
+            normalizer(plural, config)
+        try:
+            result = server_side_apply.apply(
+                stored, config, manager, params.get("force") == "true", self._list_keys(request)
+            )
+        except server_side_apply.ApplyConflict as conflict:
+            return await _status_response(409, "Conflict", str(conflict))(request)
+        if stored is not None:
+            problems += api_rules.update_problems(plural, stored, result)
+        refusal = self._cel_response(request, result)
+        if refusal is not None:
+            return await refusal(request)
+        if problems:
+            kind = (self.resources.get(request.resource) or kmock.ResourceInfo()).kind or plural
+            message = f'{kind} "{request.name}" is invalid: ' + "; ".join(problems)
+            return await _status_response(422, "Invalid", message)(request)
+        key = (request.resource, request.namespace, request.name)
+        if stored is None and self.slow_creates.get(plural):
+            await asyncio.sleep(self.slow_creates[plural])
+        async with self._lock:
+            if stored is None:
+                create = type("Create", (), {"data": result, "namespace": request.namespace})()
+                self._stamp_create(create)
+                if key in self._objects:
+                    self._objects[key].create(result)
+                else:
+                    self._objects[key] = result
+                raw = copy.deepcopy(self._objects[key].raw)
+                await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+                return await kmock.Response(status=201, payload=raw)(request)
+            if server_side_apply.same_fields(stored, result):
+                return await kmock.Response(status=200, payload=stored)(request)
+            meta = result["metadata"]
+            if result.get("spec") != stored.get("spec"):
+                meta["generation"] = int(stored["metadata"].get("generation", 1)) + 1
+            meta["resourceVersion"] = str(next(self._resource_versions))
+            self._objects[key].patch(server_side_apply.merge_patch_between(stored, result))
+            raw = copy.deepcopy(self._objects[key].raw)
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return await kmock.Response(status=200, payload=raw)(request)
+
     async def _handle(self, request: Any) -> Any:
         if request.resource is not None:
             status = self._injected_failure(request)
             if status is not None:
                 return await _status_response(status, "InternalError", "injected failure (test)")(request)
+            content_type = request.headers.get("Content-Type", "")
+            if request.method.value.upper() == "PATCH" and content_type.startswith("application/apply-patch"):
+                return await self._apply(request)
+            denial = self._denied(request)
+            if denial is not None:
+                return await _denial_response(*denial)(request)
         if request.resource is not None and isinstance(request.data, dict):
             plural = request.resource.plural or ""
             if request.action in (enums.action.CREATE, enums.action.UPDATE) and request.subresource is None:
                 problems = api_rules.problems(
                     plural, request.data, creating=request.action == enums.action.CREATE
                 )
+                stored = self._stored(request) if request.action == enums.action.UPDATE else None
+                if stored is not None and request.subresource is None:
+                    problems += api_rules.update_problems(
+                        plural, stored, dicts.patch_dict(stored, request.data)
+                    )
                 if problems:
                     kind = (self.resources.get(request.resource) or kmock.ResourceInfo()).kind or plural
                     name = (request.data.get("metadata") or {}).get("name") or request.name
@@ -230,6 +411,15 @@ class Emulator(kmock.KubernetesEmulator):
                 api_rules.normalize(request.data)
                 for normalizer in self.normalizers:
                     normalizer(plural, request.data)
+            if request.action in (enums.action.CREATE, enums.action.UPDATE):
+                self._prune(request)
+                if request.subresource is None and isinstance(request.data, dict):
+                    stored = self._stored(request) if request.action == enums.action.UPDATE else None
+                    result = dicts.patch_dict(stored, request.data) if stored is not None else request.data
+                    refusal = self._cel_response(request, dict(result))
+                    if refusal is not None:
+                        return await refusal(request)
+                self._record_update(request)
             if request.action == enums.action.CREATE:
                 self._stamp_create(request)
                 delay = self.slow_creates.get(plural)
@@ -400,6 +590,10 @@ class Emulator(kmock.KubernetesEmulator):
         return doc
 
 
+def _denial_response(status: int, message: str) -> Any:
+    return _status_response(status, "Forbidden" if status == 403 else "Invalid", message)
+
+
 def _status_response(status: int, reason: str, message: str) -> Any:
     return kmock.Response(
         status=status,
@@ -427,6 +621,8 @@ def declare_resources(emulator: kmock.KubernetesEmulator, namespaces: tuple[str,
         subresources={"status", "scale"},
         verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
     )
+    for group, version, plural, _, schema in structural.crd_schemas(CRD_FILE):
+        emulator.schemas[group, version, plural] = schema
     for namespace in namespaces:
         emulator.objects["v1/namespaces", None, namespace] = {
             "apiVersion": "v1",
