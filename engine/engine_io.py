@@ -53,15 +53,32 @@ class RequestError(RuntimeError):
     "admission_closed" (the engine is not admitting requests now: sleeping, draining, stopped),
     "internal" (the engine failed on this request alone; nothing the client can fix).
     `param` names the request field at fault when there is one ("prompt", "max_tokens", ...).
+    `stage` says where an "internal" failure happened ("admission", "sampling", "postprocess"):
+    servers count them by it.
     """
 
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: str = "invalid_request",
+        param: str | None = None,
+        stage: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.param = param
+        self.stage = stage
 
-    def __reduce__(self):  # keep `code` and `param` across pickling (errors cross processes)
-        return (type(self), (str(self), self.code, self.param))
+    def __reduce__(self):  # keep `code`, `param` and `stage` across pickling (errors cross processes)
+        return (type(self), (str(self), self.code, self.param, self.stage))
+
+
+def internal_error(stage: str) -> RequestError:
+    """An unexpected failure that belongs to one request (the caller logs its traceback). Its
+    message is the log's pointer: clients learn that it failed, not how berth is built."""
+    return RequestError(
+        f"berth failed on this request ({stage}); see the server's log", "internal", stage=stage
+    )
 
 
 @dataclass(frozen=True, slots=True)

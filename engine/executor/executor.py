@@ -36,6 +36,7 @@ from berth.engine.engine_io import (
     Sleep,
     TransitionResult,
     Wakeup,
+    internal_error,
 )
 from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.messages import frontend_of, namespaced_request_id
@@ -301,14 +302,27 @@ class GenerationExecutor(ABC):
                 result = self._results.get(request_id)
                 if result is None:
                     continue  # a late response for a finished or unknown request: nobody waits for it
-                for seq_index in result._handle(mine, stats.timestamp):
-                    self.abort(request_id, seq_index)  # a stop string ended it client-side
+                for seq_index in self._apply(result, mine, stats.timestamp):
+                    self.abort(request_id, seq_index)  # ended on this side: a stop string, a failure
                 if result.finished:
                     with self._results_lock:
                         self._results.pop(request_id, None)
                 for loop, future in result._take_waiters():
                     to_wake[loop].append(future)
         _wake(to_wake)
+
+    @staticmethod
+    def _apply(
+        result: GenerationResult, responses: list[Response | SequenceUpdate], step_time: float
+    ) -> list[int | None]:
+        """`result._handle`, within the request's own bounds: anything it raises fails that
+        request alone (the others of the batch, and the engine, go on)."""
+        try:
+            return result._handle(responses, step_time)
+        except Exception:
+            logger.exception("request %d failed while its responses were applied", result.request_id)
+            result._fail(internal_error("postprocess"))
+            return [None]
 
     def _take_stats(self, stats: EngineStats) -> None:
         # Postprocess workers' lanes and heartbeats carry stats too, each in its own order: the

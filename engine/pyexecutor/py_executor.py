@@ -42,6 +42,7 @@ from berth.engine.engine_io import (
     TransitionError,
     TransitionResult,
     Wakeup,
+    internal_error,
 )
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
@@ -252,7 +253,7 @@ class PyExecutor:
             error = sampled.errors[i]
             if error is not None:
                 logger.error("request %d failed in sampling: %r", sequence.request_id, error)
-                responses += self._fail(sequence.request_id, _internal(error, "sampling"))
+                responses += self._fail(sequence.request_id, internal_error("sampling"))
                 continue
             sequence.state = SequenceState.GENERATION_IN_PROGRESS
             token = sampled.token_ids[i]
@@ -302,9 +303,9 @@ class PyExecutor:
             return [Response(request.request_id, 0, [], error=error)]
         except ValueError as error:
             return [Response(request.request_id, 0, [], error=RequestError(str(error)))]
-        except Exception as error:
+        except Exception:
             logger.exception("request %d failed while being admitted", request.request_id)
-            return [Response(request.request_id, 0, [], error=_internal(error, "admission"))]
+            return [Response(request.request_id, 0, [], error=internal_error("admission"))]
         self._active[request.request_id] = group
         self.scheduler.add(group)
         return []
@@ -609,12 +610,6 @@ def engine_limits(
         num_kv_blocks=num_kv_blocks,
         kv_cache=kv_cache,
     )
-
-
-def _internal(error: BaseException, where: str) -> RequestError:
-    """An unexpected failure that belongs to one request. Its message is the engine's log's:
-    clients learn that it failed, not how the engine is built."""
-    return RequestError(f"the engine failed on this request ({where}); see the engine's log", "internal")
 
 
 def _stalled_collective(

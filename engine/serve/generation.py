@@ -58,6 +58,7 @@ class Generation:
                 timer.update(output, result)
                 self._queue.put_nowait((index, output))
         except Exception as error:
+            timer.failed(error)
             self._queue.put_nowait((index, error))
         self._queue.put_nowait((index, None))
 
