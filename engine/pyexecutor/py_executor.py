@@ -83,6 +83,7 @@ class _Parking:
     deadline: float
     memory_before: EngineMemory
     num_aborted: int = 0
+    drain_seconds: float = 0.0  # set once the drain is over
 
 
 class PyExecutor:
@@ -110,6 +111,7 @@ class PyExecutor:
         self.num_preemptions = 0
         self.num_computed_tokens = 0
         self._parking: _Parking | None = None
+        self._releasing: _Parking | None = None  # drained: memory is released in the next turn
         self._waking: Wakeup | None = None  # taken up, carried out in the next turn
         self._sleep_level = 0  # of the sleep under way or done; 0 while running
         self.finished_transitions: list[TransitionResult] = []  # sent by `run` after each turn
@@ -223,6 +225,13 @@ class PyExecutor:
             # turn's stats, so whoever watches them sees it for as long as a reload takes.
             wakeup, self._waking = self._waking, None
             self._wake_up(wakeup)
+            return []
+        if self._releasing is not None:
+            # A turn of its own too, after the one whose step ended the drain: that step's
+            # responses (the drain's last tokens) are sent before memory is touched, which
+            # may take seconds (a weight offload) that no client should wait for.
+            drained, self._releasing = self._releasing, None
+            self._release_for_sleep(drained)
             return []
         # A sleep taken up in an earlier turn (whose stats said PARKING) moves on after this one.
         parking = self._parking
@@ -439,13 +448,21 @@ class PyExecutor:
                 f"({parking.control.drain_timeout:g} s) passed before this request finished"
             )
         self._parking = None
-        drain_seconds = time.monotonic() - parking.started
+        parking.drain_seconds = time.monotonic() - parking.started
+        self._releasing = parking
+        return responses
+
+    def _release_for_sleep(self, parking: _Parking) -> None:
+        """The drain is over and its responses are out: memory goes, and the engine is PARKED."""
         self._on_every_rank(ReleaseMemory(parking.control.level), "release memory for a sleep")
         if self._move(AdmissionState.PARKING, AdmissionState.PARKED):
             self._report(
-                parking.control, parking.started, parking.memory_before, drain_seconds, parking.num_aborted
+                parking.control,
+                parking.started,
+                parking.memory_before,
+                parking.drain_seconds,
+                parking.num_aborted,
             )
-        return responses
 
     def _abort_for_sleep(self, reason: str) -> list[Response]:
         self._parking.num_aborted += len(self._active)
