@@ -46,9 +46,10 @@ from berth.engine.executor.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
-# How long releasing or restoring memory may take after a sleep's drain (a big model's reload
-# from a slow disk); past it the caller gets a TimeoutError, the engine goes on.
-TRANSITION_TIMEOUT = 900.0
+# How long a caller waits for a transition past its deadline (`EngineConfig.transition_timeout`,
+# after a sleep's drain): the stall watchdog declares the engine dead at the deadline, and this
+# is only a backstop should that fail to answer the caller.
+TRANSITION_GRACE = 30.0
 
 # Another frontend's responses, by frontend id, with the stats of the step they came from.
 ForeignSink = Callable[[dict[int, list[Response | SequenceUpdate]], EngineStats], None]
@@ -197,7 +198,7 @@ class GenerationExecutor(ABC):
         RUNNING, EngineDeadError if it dies on the way."""
         control = Sleep(level, mode, timeout, next(self._transition_ids))
         control.validate()
-        return self._transition(control, timeout + TRANSITION_TIMEOUT)
+        return self._transition(control, timeout + self.config.transition_timeout)
 
     def wake_up(self, model: str | None = None) -> TransitionResult:
         """Wakes the engine (optionally with another revision of its model, see `Wakeup`) and
@@ -205,22 +206,24 @@ class GenerationExecutor(ABC):
         TransitionError("invalid_model") for a model it cannot serve (it stays PARKED)."""
         control = Wakeup(model, next(self._transition_ids))
         control.validate()
-        return self._transition(control, TRANSITION_TIMEOUT)
+        return self._transition(control, self.config.transition_timeout)
 
-    def _transition(self, control: Control, timeout: float) -> TransitionResult:
+    def _transition(self, control: Control, bound: float) -> TransitionResult:
+        """Sends `control` and waits for its result. It must come within `bound` seconds: the
+        stall watchdog holds the engine to that deadline (`overdue_transition`)."""
         self._raise_if_closed()
-        pending = _PendingTransition()
+        pending = _PendingTransition(control.kind, bound)
         with self._results_lock:  # registered before it is sent, like a request's result
             self._transitions[control.transition_id] = pending
         try:
             self._raise_if_closed()
             self._send_control(control)
-            result = pending.wait(timeout)
+            result = pending.wait(bound + TRANSITION_GRACE)
         finally:
             with self._results_lock:
                 self._transitions.pop(control.transition_id, None)
         if result is None:
-            raise TimeoutError(f"the engine did not finish the {control.kind} within {timeout:.0f} s")
+            raise TimeoutError(f"the engine did not finish the {control.kind} within {bound:.0f} s")
         if result.error is not None:
             raise result.error
         return result
@@ -234,6 +237,12 @@ class GenerationExecutor(ABC):
             pending = self._transitions.get(result.transition_id)
         if pending is not None:
             pending.finish(result)
+
+    def overdue_transition(self) -> _PendingTransition | None:
+        """A sleep or wakeup sent to the engine and not done by its deadline, if there is one."""
+        now = time.monotonic()
+        with self._results_lock:
+            return next((t for t in self._transitions.values() if now > t.deadline), None)
 
     def check_health(self) -> bool:
         """True while the engine lives and is not shutting down. Never blocks and never starts a
@@ -359,9 +368,13 @@ class GenerationExecutor(ABC):
 
 
 class _PendingTransition:
-    """A sleep or wakeup sent to the engine and not answered yet."""
+    """A sleep or wakeup sent to the engine and not answered yet, and when it must be done by."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str, bound: float) -> None:
+        self.kind = kind
+        self.bound = bound
+        self.started = time.monotonic()
+        self.deadline = self.started + bound
         self._done = threading.Event()
         self._result: TransitionResult | None = None
         self._error: BaseException | None = None

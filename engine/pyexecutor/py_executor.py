@@ -521,7 +521,17 @@ class PyExecutor:
         tp = self.model_runner.tp
         if tp.size > 1:
             step_inputs.broadcast_memory_action(tp, action)
-        return tp.all_gather_objects(self.memory.apply(action))
+        outcome = self.memory.apply(action)
+        try:
+            return tp.all_gather_transition_outcomes(outcome)
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower():
+                raise
+            stalled = EngineStalledError(
+                f"stalled: a rank of the {tp.size} did not finish {type(action).__name__} within "
+                f"{self.config.transition_collective_timeout:g} s ({error})"
+            )
+            raise stalled from error
 
     def _on_every_rank(self, action: MemoryAction, doing: str) -> None:
         """`action` everywhere; one rank's failure fails the world (FAILED, then fatal)."""
@@ -634,6 +644,8 @@ def _stalled_collective(
 ) -> EngineStalledError | None:
     """A collective that timed out (gloo: "Timed out waiting ...", "Operation timed out!") means
     a rank stopped answering: the world stalled, it did not crash."""
+    if isinstance(error, EngineStalledError):
+        return None  # said already, better
     if world_size == 1 or not isinstance(error, RuntimeError) or "timed out" not in str(error).lower():
         return None
     stalled = EngineStalledError(

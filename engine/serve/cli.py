@@ -41,6 +41,7 @@ ENGINE_OPTIONS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "stall_timeout": "stall_timeout",
     "first_step_timeout": "first_step_timeout",
+    "transition_timeout": "transition_timeout",
 }
 # Options of the process that owns the engine: an attached frontend has none of them.
 OWNER_OPTIONS = (*ENGINE_OPTIONS, "executor", "num_postprocess_workers", "attach_port", "model_revision")
@@ -148,6 +149,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="SECONDS",
         help="the same bound for the first step after load or wakeup (default: 5x --stall-timeout)",
+    )
+    engine.add_argument(
+        "--transition-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a sleep (after its drain) or a wakeup must complete within this (default 600); past "
+        "it the engine is dead: /health answers 503 with reason stalled",
     )
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import time
 
@@ -16,7 +17,8 @@ import pytest
 from berth.engine import LLM, SamplingParams
 from berth.engine.executor import EngineDeadError
 from berth.engine.executor.errors import EngineStalledError
-from tests.support.engine_processes import call_with_timeout, no_world_outlives, wait_until
+from tests.support.engine_processes import call_with_timeout, no_world_outlives, pid_alive, wait_until
+from tests.support.hung_file import HungFile
 
 STALL_TIMEOUT = 3.0
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -111,6 +113,37 @@ def test_a_stopped_follower_rank_stalls_its_world_and_is_named(tiny_model):
         assert not llm.check_health()
     finally:
         resume(ranks[1])
+        llm.shutdown()
+    no_world_outlives()
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_a_wakeup_whose_weights_never_open_is_declared_stalled_at_its_deadline(
+    tiny_model, tmp_path, tensor_parallel_size
+):
+    """A level-2 wakeup reloads the weights; opening them never returns (`HungFile`: a hung
+    mount). An engine in a transition has no requests to stall on: the transition's own
+    deadline kills it, names it, and the world (every rank) is killed."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    deadline = 3.0
+    llm = LLM(model, tensor_parallel_size=tensor_parallel_size, transition_timeout=deadline, **ENGINE)
+    ranks = [pid for _, pid, _ in llm.executor.ranks]
+    try:
+        assert llm.sleep(level=2).admission == "parked"
+        with HungFile(model / "model.safetensors"):
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="stalled"):
+                call_with_timeout(llm.wake_up, deadline + 30)
+            took = time.monotonic() - started
+            assert deadline <= took < deadline + 5, took
+            message = str(llm.executor.fatal_error)
+            assert isinstance(llm.executor.fatal_error, EngineStalledError), message
+            assert message.startswith(f"stalled: the wakeup did not complete in {deadline:g} s"), message
+            assert all(f"(pid {pid} " in message for pid in ranks), message
+            assert wait_until(lambda: not any(pid_alive(pid) for pid in ranks), 10), "a rank outlived it"
+            assert not llm.check_health()
+    finally:
         llm.shutdown()
     no_world_outlives()
 
