@@ -28,6 +28,7 @@ in use fails at once), `endpoint.start(executor, model_name)` once it has loaded
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from berth.engine.engine_io import AbortRequest, GenerationRequest, RequestError, Response
+from berth.engine.engine_io import AbortRequest, EngineStats, GenerationRequest, RequestError, Response
 from berth.engine.executor import ipc
 from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.executor import GenerationExecutor
@@ -157,10 +158,37 @@ class AttachEndpoint:
         self._outbox.close()
         self._context.term()
 
+    @property
+    def idle(self) -> bool:
+        """No frontend's request is in the engine (the drain before a shutdown waits for this)."""
+        with self._sessions_lock:
+            return not any(session.live for session in self._sessions.values())
+
+    def abort_all(self) -> None:
+        """Aborts every frontend's requests in the engine (a drain's timeout has passed): each
+        ends with finish_reason "abort", and its frontend hears so before the attachment ends."""
+        with self._sessions_lock:
+            live = [request_id for session in self._sessions.values() for request_id in session.live]
+        for request_id in live:
+            self._executor.abort(request_id)
+
+    def _owner_stats(self) -> EngineStats | None:
+        return self._as_owner_says(self._executor.stats)
+
+    def _as_owner_says(self, stats: EngineStats | None) -> EngineStats | None:
+        """The engine's stats with the owner's admission state: frontends follow the owner's
+        decision (a drain before its shutdown closes admission before the engine's own state
+        changes), whichever way the stats reach them."""
+        admission = self._executor.admission_state
+        if stats is None or stats.admission == admission:
+            return stats
+        return dataclasses.replace(stats, admission=admission)
+
     # ---- other threads hand frames over --------------------------------------------------------
 
     def _forward(self, responses: dict[int, list[Response | SequenceUpdate]], stats) -> None:
         """The dispatch thread: each frontend's share of a step goes on its own lane."""
+        stats = self._as_owner_says(stats)
         for frontend_id, mine in responses.items():
             with self._sessions_lock:
                 session = self._by_frontend.get(frontend_id)
@@ -177,6 +205,7 @@ class AttachEndpoint:
             poller.register(sock, zmq.POLLIN)
         next_heartbeat = time.monotonic()
         probe_until = 0.0
+        admission = self._executor.admission_state
         try:
             while True:
                 now = time.monotonic()
@@ -192,7 +221,10 @@ class AttachEndpoint:
                     probe_until = time.monotonic() + PROBE_SECONDS
                 self._check_engine()
                 now = time.monotonic()
-                if probing or now >= next_heartbeat:
+                # A change of admission (a drain starts) reaches every frontend at once: each
+                # stops being ready then, not a heartbeat later.
+                previous, admission = admission, self._executor.admission_state
+                if probing or admission != previous or now >= next_heartbeat:
                     self._heartbeat(now)
                     next_heartbeat = now + HEARTBEAT_SECONDS
             self._end_all("the engine's owner has stopped serving frontends", engine_dead=False)
@@ -282,7 +314,7 @@ class AttachEndpoint:
         welcome = AttachWelcome(
             session.frontend_id,
             self._info,
-            executor.stats,
+            self._as_owner_says(executor.stats),
             executor.admission_state,
             HEARTBEAT_SECONDS,
             HEARTBEAT_TIMEOUT,
@@ -298,7 +330,7 @@ class AttachEndpoint:
             )
         if self._ended_reason is not None:
             return self._ended_reason
-        if self._executor.is_closed:
+        if self._executor.is_closed or self._executor.admission_state == "shutdown":
             return "the engine's owner is shutting down"
         if len(self._sessions) >= MAX_FRONTEND_ID:
             return f"this engine already serves {MAX_FRONTEND_ID} frontends"
@@ -321,7 +353,7 @@ class AttachEndpoint:
             )
             self._send(
                 session.routing_id,
-                StepResults([Response(request.request_id, 0, [], error=error)], self._executor.stats),
+                StepResults([Response(request.request_id, 0, [], error=error)], self._owner_stats()),
             )
             return
         with self._sessions_lock:  # before it is sent: its first response may come back at once
@@ -334,7 +366,7 @@ class AttachEndpoint:
             if not isinstance(error, RequestError):  # dead (everyone hears it at once), or shutting down
                 error = RequestError(str(error), "admission_closed")
             response = Response(request.request_id, 0, [], error=error)
-            self._send(session.routing_id, StepResults([response], self._executor.stats))
+            self._send(session.routing_id, StepResults([response], self._owner_stats()))
 
     def _gone(self, session: _Session, why: str) -> None:
         """The frontend is gone: its requests still in the engine are aborted, nothing else."""
@@ -364,7 +396,7 @@ class AttachEndpoint:
                 return
 
     def _heartbeat(self, now: float) -> None:
-        beat = Heartbeat(self._executor.stats, self._executor.admission_state)
+        beat = Heartbeat(self._owner_stats(), self._executor.admission_state)
         frames = self._router.sign(beat)
         for session in list(self._sessions.values()):
             if now - session.last_heard > HEARTBEAT_TIMEOUT:

@@ -32,6 +32,7 @@ from berth.engine.engine_io import (
     EngineStats,
     GenerationRequest,
     ModelRevision,
+    RequestError,
     Response,
     Sleep,
     TransitionResult,
@@ -70,6 +71,9 @@ class GenerationExecutor(ABC):
         self._fatal_lock = threading.Lock()
         self._fatal_error: BaseException | None = None
         self._closed = False  # set when shutdown starts: admission stops there
+        # Set when a drain before a shutdown starts (`stop_admission`): new requests, this
+        # process's and every attached frontend's, are refused; those in flight run on.
+        self._admission_stopped: str | None = None
         self._shutdown_lock = threading.Lock()
         # What the engine runs and can serve, as it said once when it started (set by the subclass).
         self.config = None  # EngineConfig
@@ -153,12 +157,20 @@ class GenerationExecutor(ABC):
         engine's own state."""
         if self.is_dead:
             return "failed"
-        if self._closed:
+        if self._closed or self._admission_stopped is not None:
             return "shutdown"
         return self._engine_admission_state()
 
+    def stop_admission(self, reason: str = "the engine's owner is shutting down") -> None:
+        """The drain before a shutdown: every new request is refused from now on (a
+        RequestError "admission_closed" with `reason`), this process's and those every attached
+        frontend forwards, and the admission state says "shutdown", which frontends follow;
+        requests in flight run on. `shutdown()` ends them later."""
+        self._admission_stopped = reason
+
     def submit(self, request: GenerationRequest, *, prompt: str | None = None) -> GenerationResult:
         self._raise_if_closed()
+        self._raise_unless_admitting()
         request.request_id = self._next_request_id()
         result = GenerationResult(request, tokenizer=self.tokenizer, prompt=prompt, abort=self.abort)
         # Register before sending, so a response that comes back at once always has a home.
@@ -179,6 +191,7 @@ class GenerationExecutor(ABC):
         """Sends a request another frontend submitted and keeps the result of (its id says
         which): its responses go to `foreign_sink`. Raises as `submit` does."""
         self._raise_if_closed()
+        self._raise_unless_admitting()
         self._send_request(request)
 
     def _next_request_id(self) -> int:
@@ -265,6 +278,13 @@ class GenerationExecutor(ABC):
     def awaiting_first_step(self) -> bool:
         """No step done since the engine loaded or last woke up."""
         return self._stats is None or self._stats.num_steps <= self._steps_at_start
+
+    def _raise_unless_admitting(self) -> None:
+        if self._admission_stopped is not None:
+            raise RequestError(
+                f"engine is not admitting requests (admission state: shutdown): {self._admission_stopped}",
+                "admission_closed",
+            )
 
     def _raise_if_closed(self) -> None:
         if self._fatal_error is not None:

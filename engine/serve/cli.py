@@ -414,6 +414,9 @@ class EngineLoader:
         ctx.llm = llm  # from here on the loading gate lets everything through
         if self._endpoint is not None:
             self._endpoint.start(llm.executor, ctx.model_name)
+            ctx.frontends = self._endpoint
+            if ctx.draining:  # SIGTERM came while the engine loaded: no frontend is admitted
+                ctx.start_draining()
             _say(f"{command}: frontends attach at {self._endpoint.address}")
         _say(f"{command}: listening on {self._url}")
 
@@ -501,7 +504,7 @@ def _serve_app(
     serve(
         build_app(ctx),
         sock,
-        on_signal=lambda: setattr(ctx, "draining", True),
+        on_signal=ctx.start_draining,
         on_started=on_started or (lambda: print(f"{command}: listening on {url}", flush=True)),
         is_idle=lambda: ctx.idle,
         on_timeout=ctx.abort_all,

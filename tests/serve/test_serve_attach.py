@@ -326,15 +326,17 @@ def test_frontends_outlive_their_world_and_attach_to_the_next(tiny_model):
             assert health.status_code == 503 and "killed by signal 9" in health.json()["error"], health.text
         # The operator restarts the world whole: a new owner at the same address.
         owner.stop()
-        owner = start_owner(tiny_model, "--attach-port", port)
+        # (A drain short enough that the frontend's long stream below outlasts it.)
+        owner = start_owner(tiny_model, "--attach-port", port, "--shutdown-timeout", "0.5")
         servers.append(owner)
         for frontend in frontends:
             assert wait_until(lambda f=frontend: serving(f), 30, interval=0.2), frontend.output
             assert frontend.admin_state()["engine_pid"] == owner.engine_pid  # the new engine's
         assert [frontend.pid for frontend in frontends] == pids
         assert all(frontend.process.poll() is None for frontend in frontends)  # never restarted
-        # An owner that stops cleanly answers the frontends' requests first (aborted), then
-        # tells them: they are unavailable again, and wait for the next world.
+        # An owner that stops cleanly drains the frontends' requests with its own; what its
+        # drain timeout leaves is aborted and answered; then it tells them: they are unavailable
+        # again, and wait for the next world.
         stream_running = in_background(
             [(frontends[0], completion(prompt="late", max_tokens=LONG, ignore_eos=True))]
         )
@@ -377,3 +379,43 @@ def test_a_weight_swap_to_another_tokenizer_sends_the_frontends_to_attach_again(
         finally:
             call_with_timeout(frontend.shutdown, 15)
             endpoint.close()
+
+
+DRAIN_TOKENS = 200  # long enough that the streams still run while the test checks admission
+
+
+def test_sigterm_on_the_owner_drains_every_frontends_streams_then_exits_0(tiny_model):
+    """SIGTERM to the owner stops admission for every frontend at once (503 + Retry-After, not
+    ready), lets the 16 streams the two frontends have in flight finish, and only then shuts the
+    engine down and exits 0."""
+    owner = start_owner(tiny_model, "--attach-port", "0", "--kv-blocks", "1024", "--shutdown-timeout", "120")
+    frontends: list[ServerProcess] = []
+    try:
+        frontends = start_frontends(owner.attach_address, 2)
+        bodies = [
+            completion(prompt=f"Drain {i}: {WORDS[i % len(WORDS)]}", max_tokens=DRAIN_TOKENS, ignore_eos=True)
+            for i in range(16)
+        ]
+        streaming = in_background([(frontends[i % 2], body) for i, body in enumerate(bodies)])
+        assert wait_until(lambda: running(owner) == 16, 60), owner.admin_state()
+        owner.terminate()
+        for frontend in frontends:
+            assert wait_until(lambda f=frontend: f.get("/ready").status_code == 503, 5), frontend.get(
+                "/ready"
+            )
+            assert frontend.get("/ready").json()["admission"] == "shutdown"
+            refused = frontend.post("/v1/completions", completion(prompt="too late", max_tokens=2))
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "admission_closed", refused.text
+            assert int(refused.headers["Retry-After"]) > 0
+        assert owner.post("/v1/completions", completion(prompt="too late", max_tokens=2)).status_code == 503
+        assert running(owner) > 0, "the streams ended before admission was checked: make them longer"
+        streaming.join(120)
+        assert not streaming.is_alive()
+        for outcome in streaming.outcome:
+            assert not isinstance(outcome, BaseException), outcome
+            assert outcome["finish_reason"] == "length" and outcome["tokens"] == DRAIN_TOKENS, outcome
+        assert owner.wait(30) == 0, owner.output
+    finally:
+        for server in (*frontends, owner):
+            server.stop()
