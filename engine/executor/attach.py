@@ -67,6 +67,7 @@ TICK_SECONDS = 0.1  # how often the endpoint looks at the engine (dead? closed?)
 PROBE_SECONDS = 2.0  # after a connection closed, how long to look for the frontend it was
 PROBE_INTERVAL = 0.05
 MAX_MESSAGE_BYTES = 64 << 20  # a request is a few hundred KB at most; anything larger is refused
+SWAP_TIMEOUT = 10.0  # how long a tokenizer swap waits for the endpoint's thread to act on it
 
 
 @dataclass
@@ -123,6 +124,9 @@ class AttachEndpoint:
         self._ended_reason: str | None = None  # once set, every hello is refused with it
         self._last_refusal: str | None = None
         self._thread: threading.Thread | None = None
+        # Tokenizer swaps waiting for the endpoint's thread to send frontends away: the tokenizer
+        # swapped in, and the event set once the thread has acted on it.
+        self._swaps_waiting: list[tuple[object, threading.Event]] = []
 
     # ---- the owner's side --------------------------------------------------------------------
 
@@ -131,6 +135,7 @@ class AttachEndpoint:
         self._model_name = model_name
         self._info = self._engine_info()
         executor.foreign_sink = self._forward
+        executor.tokenizer_listeners.append(self._tokenizer_replaced)
         self._thread = threading.Thread(target=self._run, name="berth-attach", daemon=True)
         self._thread.start()
 
@@ -153,6 +158,8 @@ class AttachEndpoint:
             self._thread.join(5)
         if self._executor is not None:
             self._executor.foreign_sink = None
+            with contextlib.suppress(ValueError):
+                self._executor.tokenizer_listeners.remove(self._tokenizer_replaced)
         self._monitor.close(linger=0)
         self._router.close(linger_ms=1000)  # the last word to each frontend must get out
         self._outbox.close()
@@ -183,6 +190,17 @@ class AttachEndpoint:
         if stats is None or stats.admission == admission:
             return stats
         return dataclasses.replace(stats, admission=admission)
+
+    def _tokenizer_replaced(self, tokenizer) -> None:
+        """The executor swapped its tokenizer (a wakeup with another revision, while the engine
+        is parked): returns once the endpoint's thread has sent away every frontend attached with
+        another one (`_model_swapped`), so none of their requests reaches the engine after it
+        admits again."""
+        done = threading.Event()
+        with self._sessions_lock:
+            self._swaps_waiting.append((tokenizer, done))
+        if self._thread is not None and self._thread.is_alive() and not done.wait(SWAP_TIMEOUT):
+            logger.error("the attach endpoint did not act on a tokenizer swap in %.0f s", SWAP_TIMEOUT)
 
     # ---- other threads hand frames over --------------------------------------------------------
 
@@ -220,6 +238,7 @@ class AttachEndpoint:
                     self._drain_monitor()
                     probe_until = time.monotonic() + PROBE_SECONDS
                 self._check_engine()
+                self._swaps_done()
                 now = time.monotonic()
                 # A change of admission (a drain starts) reaches every frontend at once: each
                 # stops being ready then, not a heartbeat later.
@@ -415,6 +434,17 @@ class AttachEndpoint:
             or str(executor.config.model) != self._info.model_path
         ):
             self._model_swapped()
+
+    def _swaps_done(self) -> None:
+        """The swaps `_check_engine` has acted on (the info is made from their tokenizer, or a
+        later swap replaced it) are done; a swap made after that check waits for the next."""
+        current = self._executor.tokenizer
+        with self._sessions_lock:
+            done = [event for tokenizer, event in self._swaps_waiting if tokenizer is self._info_tokenizer]
+            done += [event for tokenizer, event in self._swaps_waiting if tokenizer is not current]
+            self._swaps_waiting = [(t, e) for t, e in self._swaps_waiting if e not in done]
+        for event in done:
+            event.set()
 
     def _model_swapped(self) -> None:
         """A wakeup swapped the weights in (`LLM.wake_up(model)`): frontends attach from now on

@@ -74,6 +74,8 @@ class GenerationExecutor(ABC):
         # Set when a drain before a shutdown starts (`stop_admission`): new requests, this
         # process's and every attached frontend's, are refused; those in flight run on.
         self._admission_stopped: str | None = None
+        # Called with the new tokenizer by `replace_tokenizer`, before admission can reopen.
+        self.tokenizer_listeners: list[Callable[[object], None]] = []
         self._shutdown_lock = threading.Lock()
         # What the engine runs and can serve, as it said once when it started (set by the subclass).
         self.config = None  # EngineConfig
@@ -161,6 +163,16 @@ class GenerationExecutor(ABC):
             return "shutdown"
         return self._engine_admission_state()
 
+    def replace_tokenizer(self, tokenizer) -> None:
+        """Serves with `tokenizer` from now on (a wakeup that swaps in a revision brings its own).
+        Call it while the engine admits nothing (parked): once it returns, no request tokenized
+        with the old one can be submitted (`submit`), and every `tokenizer_listeners` callback (an
+        attach endpoint, whose frontends must attach again for it) has run."""
+        with self._results_lock:  # submit checks and uses the tokenizer under it
+            self.tokenizer = tokenizer
+        for listener in list(self.tokenizer_listeners):
+            listener(tokenizer)
+
     def stop_admission(self, reason: str = "the engine's owner is shutting down") -> None:
         """The drain before a shutdown: every new request is refused from now on (a
         RequestError "admission_closed" with `reason`), this process's and those every attached
@@ -168,13 +180,24 @@ class GenerationExecutor(ABC):
         requests in flight run on. `shutdown()` ends them later."""
         self._admission_stopped = reason
 
-    def submit(self, request: GenerationRequest, *, prompt: str | None = None) -> GenerationResult:
+    def submit(
+        self, request: GenerationRequest, *, prompt: str | None = None, tokenized_with=None
+    ) -> GenerationResult:
+        """Sends `request`; its result detokenizes with the tokenizer serving now. `tokenized_with`:
+        the tokenizer its prompt was tokenized with, if it was: a request tokenized with one that
+        no longer serves (a wakeup swapped the model in between) is refused, to be sent again
+        (a RequestError "admission_closed": the engine would read its tokens as other words)."""
         self._raise_if_closed()
         self._raise_unless_admitting()
         request.request_id = self._next_request_id()
-        result = GenerationResult(request, tokenizer=self.tokenizer, prompt=prompt, abort=self.abort)
         # Register before sending, so a response that comes back at once always has a home.
         with self._results_lock:
+            if tokenized_with is not None and tokenized_with is not self.tokenizer:
+                raise RequestError(
+                    "the model's tokenizer changed while this request was being tokenized: send it again",
+                    "admission_closed",
+                )
+            result = GenerationResult(request, tokenizer=self.tokenizer, prompt=prompt, abort=self.abort)
             self._results[request.request_id] = result
         try:
             # Checked again: a death or a shutdown since the first check fails everything it

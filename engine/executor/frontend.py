@@ -310,13 +310,17 @@ class FrontendExecutor:
         attachment = self._attachment
         return attachment.frontend_id if attachment is not None else None
 
-    def submit(self, request: GenerationRequest, *, prompt: str | None = None) -> GenerationResult:
+    def submit(
+        self, request: GenerationRequest, *, prompt: str | None = None, tokenized_with=None
+    ) -> GenerationResult:
         attachment = self._attachment
         if self._closed:
             raise EngineDeadError("the executor has been shut down")
         if attachment is None:
             raise EngineUnreachableError(f"{self._reason} (this frontend attaches again by itself)")
-        return attachment.submit(request, prompt=prompt)
+        # A prompt tokenized before the owner swapped the model in is refused by the attachment
+        # for the new tokenizer: its tokenizer is not the one the prompt was tokenized with.
+        return attachment.submit(request, prompt=prompt, tokenized_with=tokenized_with)
 
     def abort(self, request_id: int, seq_index: int | None = None) -> None:
         attachment = self._attachment
