@@ -349,7 +349,10 @@ class EngineStats:
 
     Counters (`num_preemptions`, `prefix_cache_*`, `num_computed_tokens`) count since start.
     `timestamp` is the engine's wall clock when the snapshot was taken: the time of the step
-    whose responses it travels with.
+    whose responses it travels with. `seq` orders the snapshots: one more for each the engine
+    takes. Snapshots reach a client by several ways (steps, transitions, each postprocess
+    worker's lane, heartbeats), each in its own order: the highest `seq` is the latest, whatever
+    the wall clock did in between (a clock stepped back must not make fresh stats look stale).
     """
 
     num_running: int
@@ -380,6 +383,7 @@ class EngineStats:
     model_revision: ModelRevision | None = None
     transitions: dict[str, int] = field(default_factory=dict)
     resident_bytes: int = 0  # the engine process's RSS (rank 0's), read when the snapshot was taken
+    seq: int = 0
 
     @classmethod
     def of_dead_engine(cls, kv_blocks_total: int) -> EngineStats:

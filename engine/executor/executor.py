@@ -378,9 +378,9 @@ class GenerationExecutor(ABC):
 
     def _take_stats(self, stats: EngineStats) -> None:
         # Postprocess workers' lanes and heartbeats carry stats too, each in its own order: the
-        # latest snapshot wins, whichever way it came.
+        # latest snapshot (by its sequence number, not the wall clock) wins, whichever way it came.
         latest = self._stats
-        if latest is None or stats.timestamp >= latest.timestamp:
+        if latest is None or stats.seq >= latest.seq:
             self._stats = stats
             stepped = latest is None or stats.num_steps != latest.num_steps
             if stepped or stats.num_running + stats.num_waiting == 0:

@@ -177,7 +177,7 @@ class Attachment(GenerationExecutor):
             if isinstance(message, StepResults):
                 batches.append((message.responses, message.stats))
                 # A heartbeat may have brought a newer state already: the latest snapshot wins.
-                if self._stats is None or message.stats.timestamp >= self._stats.timestamp:
+                if self._stats is None or message.stats.seq >= self._stats.seq:
                     self._admission = message.stats.admission
             elif isinstance(message, Heartbeat):
                 if message.stats is not None:

@@ -14,6 +14,7 @@ turn that ended it. A transition that fails half-way leaves the engine FAILED: f
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -117,6 +118,7 @@ class PyExecutor:
         self.finished_transitions: list[TransitionResult] = []  # sent by `run` after each turn
         self._state_changed = False  # stats go out after this turn even if it answered nobody
         self.num_steps = 0
+        self._stats_seq = itertools.count(1)  # snapshots are taken on more than one thread
         self._thread: threading.Thread | None = None
         self._start_on_thread: queue.SimpleQueue | None = None  # set by `launch`
 
@@ -621,6 +623,7 @@ class PyExecutor:
             model_revision=self.memory.revision,
             transitions=dict(queue.transitions),
             resident_bytes=resident_bytes(),
+            seq=next(self._stats_seq),
         )
 
 

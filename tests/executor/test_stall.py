@@ -78,10 +78,10 @@ def test_a_stopped_worker_is_declared_stalled_and_stays_dead(tiny_model):
 def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tiny_model):
     """Non-streamed requests get nothing until they finish; the engine's heartbeats carry its
     steps meanwhile, so a batch that runs for many stall timeouts lives."""
-    timeout = 1.0
+    timeout = 0.5
     with LLM(tiny_model, executor="proxy", **(ENGINE | {"stall_timeout": timeout})) as llm:
         many = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-        results = [llm.generate_async([7 + i] * 4, many) for i in range(8)]
+        results = [llm.generate_async([7 + i] * 4, many) for i in range(16)]  # two batches' worth
         started = time.monotonic()
         steps_seen = {llm.executor.stats.num_steps}
         while not all(result.finished for result in results) and time.monotonic() - started < 120:
@@ -91,8 +91,10 @@ def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tiny_model):
         took = time.monotonic() - started
         assert llm.check_health(), llm.executor.fatal_error
     assert all(len(output.outputs[0].token_ids) == 1000 for output in outputs)
-    if took > 3 * timeout:  # the heartbeats were needed: steps were heard before any answer
-        assert len(steps_seen) > 2
+    # The heartbeats were needed (nothing answered anyone for several stall timeouts) and heard:
+    # steps showed up before any answer. Two batches of 1000 steps take seconds on any machine.
+    assert took > 3 * timeout, f"the batch took {took:.1f} s: too short to need a heartbeat"
+    assert len(steps_seen) > 2, steps_seen
 
 
 def test_a_stopped_follower_rank_stalls_its_world_and_is_named(tiny_model):
@@ -214,3 +216,22 @@ def test_weights_that_give_no_finite_logits_never_serve(tiny_model, tmp_path):
     save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match="failed its check after loading: the model's logits are not fin"):
         LLM(poisoned, executor="in-process", kv_cache_blocks=64)
+
+
+def test_a_clock_stepped_back_does_not_make_fresh_stats_look_stale(tiny_model, monkeypatch):
+    """Stats are ordered by their sequence number, not the wall clock: with the clock stepped
+    back an hour mid-batch (an NTP correction), the engine's next snapshots are still the latest,
+    its steps are heard and it is not taken for stalled. In one process, so that the engine's
+    clock is the one stepped (the wall clock of this process only: the machine's is left alone)."""
+    with LLM(tiny_model, executor="in-process", **(ENGINE | {"stall_timeout": 1.0})) as llm:
+        many = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        result = llm.generate_async([5, 6, 7], many, streaming=True)
+        stream = iter(result)
+        call_with_timeout(lambda: next(stream), 60)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() - 3600)
+        stepped = llm.executor.stats.num_steps
+        assert wait_until(lambda: llm.executor.stats.num_steps >= stepped + 10, 10), llm.executor.stats
+        output = call_with_timeout(lambda: result.result(timeout=60), 70)
+        assert len(output.outputs[0].token_ids) == 1000
+        assert llm.check_health(), llm.executor.fatal_error
