@@ -75,6 +75,7 @@ from berth.engine.executor.messages import (
     WorkerSetup,
 )
 from berth.engine.executor.postprocess_worker import PostprocessWorkers
+from berth.engine.executor.processes import pid_alive, process_state
 from berth.engine.executor.world import LocalWorker, MpiWorld, OutputTail, World, popen
 from berth.engine.tokenizer import loaded
 
@@ -320,7 +321,7 @@ class ProxyExecutor(GenerationExecutor):
         if self._closing or self._worker_gone.is_set():
             return  # expected, or the watcher is already recording it
         for rank, pid in self._local_ranks():
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 if self.world.size > 1:
                     which = f"rank {rank}'s process {pid} of {self.world.describe(self._process.pid)}"
                 else:
@@ -334,7 +335,7 @@ class ProxyExecutor(GenerationExecutor):
         stuck = [
             f"rank {rank} (pid {pid}) {how}"
             for rank, pid in self._local_ranks()
-            if (how := _process_state(pid)) is not None
+            if (how := process_state(pid)) is not None
         ]
         return "; ".join(stuck)
 
@@ -556,37 +557,3 @@ def _is_ip(host: str) -> bool:
 def _with_remote_traceback(error: BaseException, traceback: str) -> BaseException:
     error.__cause__ = RemoteTraceback(traceback)
     return error
-
-
-# /proc/PID/stat's states that stop a rank from answering (R, S and I do not).
-_STUCK_STATES = {
-    "T": "is stopped (SIGSTOP)",
-    "t": "is stopped by a debugger",
-    "D": "is in uninterruptible sleep (a hung device or file system)",
-    "Z": "has exited",
-    "X": "has exited",
-}
-
-
-def _process_state(pid: int) -> str | None:
-    """What keeps process `pid` from running, in words; None while it can run."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return "is gone"
-    return _STUCK_STATES.get(state)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited process nobody has reaped yet still answers kill(pid, 0)
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
