@@ -17,6 +17,7 @@ import pytest
 from berth.engine import LLM, SamplingParams
 from berth.engine.executor import EngineDeadError
 from berth.engine.executor.errors import EngineStalledError
+from berth.engine.models.tiny_model import make_tiny_model
 from tests.support.engine_processes import call_with_timeout, no_world_outlives, pid_alive, wait_until
 from tests.support.hung_file import HungFile
 
@@ -75,26 +76,28 @@ def test_a_stopped_worker_is_declared_stalled_and_stays_dead(tiny_model):
         llm.shutdown()
 
 
-def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tiny_model):
+def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tmp_path):
     """Non-streamed requests get nothing until they finish; the engine's heartbeats carry its
-    steps meanwhile, so a batch that runs for many stall timeouts lives."""
-    timeout = 0.5
-    with LLM(tiny_model, executor="proxy", **(ENGINE | {"stall_timeout": timeout})) as llm:
-        many = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-        results = [llm.generate_async([7 + i] * 4, many) for i in range(16)]  # two batches' worth
+    steps meanwhile, so a batch that runs for many stall timeouts lives. The batch is long
+    enough (3000 steps, seconds on any machine) to need them: nothing answers anyone for longer
+    than the stall timeout, and every check below runs on every machine."""
+    timeout, tokens = 1.0, 3000
+    model = make_tiny_model(tmp_path / "long", max_position_embeddings=tokens + 16)
+    engine = ENGINE | {"stall_timeout": timeout, "kv_cache_blocks": 8 * (tokens + 16) // 16}
+    with LLM(model, executor="proxy", **engine) as llm:
+        many = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        results = [llm.generate_async([7 + i] * 4, many) for i in range(8)]  # one batch, no preemption
         started = time.monotonic()
         steps_seen = {llm.executor.stats.num_steps}
-        while not all(result.finished for result in results) and time.monotonic() - started < 120:
+        while not any(result.finished for result in results) and time.monotonic() - started < 120:
             steps_seen.add(llm.executor.stats.num_steps)
             time.sleep(0.05)
+        unanswered = time.monotonic() - started
         outputs = [call_with_timeout(lambda r=r: r.result(timeout=60), 70) for r in results]
-        took = time.monotonic() - started
         assert llm.check_health(), llm.executor.fatal_error
-    assert all(len(output.outputs[0].token_ids) == 1000 for output in outputs)
-    # The heartbeats were needed (nothing answered anyone for several stall timeouts) and heard:
-    # steps showed up before any answer. Two batches of 1000 steps take seconds on any machine.
-    assert took > 3 * timeout, f"the batch took {took:.1f} s: too short to need a heartbeat"
-    assert len(steps_seen) > 2, steps_seen
+    assert all(len(output.outputs[0].token_ids) == tokens for output in outputs)
+    assert unanswered > timeout, f"answered after {unanswered:.1f} s: too soon to need a heartbeat"
+    assert len(steps_seen) > 2, steps_seen  # the steps were heard while nobody was answered
 
 
 def test_a_stopped_follower_rank_stalls_its_world_and_is_named(tiny_model):
