@@ -66,6 +66,9 @@ class EngineConfig:
     # times as long; it may compile kernels). Past it the engine is dead ("stalled").
     stall_timeout: float = 60.0
     first_step_timeout: float | None = None
+    # Every sleep (after its drain, which has its own timeout) and wakeup must complete within
+    # `transition_timeout` seconds: past it the engine is dead ("stalled"), as a hung step is.
+    transition_timeout: float = 600.0
     # On a GPU, pure decode steps replay CUDA graphs captured at start (`cuda_graphs`); True runs
     # every step eagerly (for debugging, or to compare). Off on a CPU whatever this says.
     enforce_eager: bool = False
@@ -96,7 +99,7 @@ class EngineConfig:
                 f"device {self.device!r} with tensor_parallel_size {self.tensor_parallel_size}: every rank "
                 "uses the GPU of its local rank; say device='cuda'"
             )
-        for name in ("stall_timeout", "first_step_timeout"):
+        for name in ("stall_timeout", "first_step_timeout", "transition_timeout"):
             value = getattr(self, name)
             if value is None and name == "first_step_timeout":
                 continue
@@ -116,6 +119,13 @@ class EngineConfig:
         """How long a collective inside a step waits for the other ranks: well under the stall
         timeout, so that the rank that stopped answering is the one that is named."""
         return self.stall_timeout / 2
+
+    @property
+    def transition_collective_timeout(self) -> float:
+        """How long a rank waits for the others to finish their part of a sleep or wakeup: past
+        the transition timeout, with room for the stall watchdog, which names the stuck rank, to
+        speak first; then every rank gives up instead of waiting forever."""
+        return self.transition_timeout + 30.0
 
     def max_model_len_for(self, max_position_embeddings: int) -> int:
         """The longest sequence the engine serves: the configured limit, never past the model's

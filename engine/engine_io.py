@@ -53,15 +53,32 @@ class RequestError(RuntimeError):
     "admission_closed" (the engine is not admitting requests now: sleeping, draining, stopped),
     "internal" (the engine failed on this request alone; nothing the client can fix).
     `param` names the request field at fault when there is one ("prompt", "max_tokens", ...).
+    `stage` says where an "internal" failure happened ("admission", "sampling", "postprocess"):
+    servers count them by it.
     """
 
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: str = "invalid_request",
+        param: str | None = None,
+        stage: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.param = param
+        self.stage = stage
 
-    def __reduce__(self):  # keep `code` and `param` across pickling (errors cross processes)
-        return (type(self), (str(self), self.code, self.param))
+    def __reduce__(self):  # keep `code`, `param` and `stage` across pickling (errors cross processes)
+        return (type(self), (str(self), self.code, self.param, self.stage))
+
+
+def internal_error(stage: str) -> RequestError:
+    """An unexpected failure that belongs to one request (the caller logs its traceback). Its
+    message is the log's pointer: clients learn that it failed, not how berth is built."""
+    return RequestError(
+        f"berth failed on this request ({stage}); see the server's log", "internal", stage=stage
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +350,10 @@ class EngineStats:
 
     Counters (`num_preemptions`, `prefix_cache_*`, `num_computed_tokens`) count since start.
     `timestamp` is the engine's wall clock when the snapshot was taken: the time of the step
-    whose responses it travels with.
+    whose responses it travels with. `seq` orders the snapshots: one more for each the engine
+    takes. Snapshots reach a client by several ways (steps, transitions, each postprocess
+    worker's lane, heartbeats), each in its own order: the highest `seq` is the latest, whatever
+    the wall clock did in between (a clock stepped back must not make fresh stats look stale).
     """
 
     num_running: int
@@ -364,6 +384,7 @@ class EngineStats:
     model_revision: ModelRevision | None = None
     transitions: dict[str, int] = field(default_factory=dict)
     resident_bytes: int = 0  # the engine process's RSS (rank 0's), read when the snapshot was taken
+    seq: int = 0
 
     @classmethod
     def of_dead_engine(cls, kv_blocks_total: int) -> EngineStats:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from berth.engine.serve import cli as serve_cli
+from berth.engine.serve import arguments as serve_arguments
 
 DEFAULT_SSH_KEY = "/etc/berth/ssh/id_ed25519"  # where the operator mounts the world's key pair
 AGENT_TRY_SECONDS = 30  # one attempt of the agent to reach a host
@@ -44,7 +44,7 @@ class Host:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    serve_cli.add_arguments(parser)
+    serve_arguments.add_arguments(parser)
     world = parser.add_argument_group("the world (mpirun over the hostfile)")
     world.add_argument(
         "--hostfile", required=True, help="the hosts of the ranks, one HOST[:SLOTS] a line (mpich's format)"
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fail(message: str) -> int:
-    return serve_cli._fail(message, COMMAND)
+    return serve_arguments.fail(message, COMMAND)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         args.device = "cuda" if args.gpus_per_node else "cpu"
 
     from berth.engine.executor.world import MpiWorld
+    from berth.engine.serve.owner import serve_model
 
     with tempfile.TemporaryDirectory(prefix="berth-launch-") as scratch:
         agent = args.launcher_agent or write_ssh_agent(Path(scratch), args.ssh_key)
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             launcher_agent=write_connection_watch(Path(scratch), agent),
             launcher_host=args.launcher_host or socket.getfqdn(),
         )
-        return serve_cli.serve_model(
+        return serve_model(
             args,
             world=world,
             command=COMMAND,

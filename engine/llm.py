@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,7 @@ class LLM:
             raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
         self.config = EngineConfig(model=str(model), **engine_options)
         self._tokenizer_follows_model = tokenizer is None  # a weight swap brings its own tokenizer
+        self._waking = threading.Lock()  # one wakeup with a new model at a time: it swaps tokenizers
         self._executor = create_executor(
             self.config,
             TokenizerToLoad(tokenizer or model),
@@ -107,14 +109,20 @@ class LLM:
         streaming: bool = False,
         priority: float = 0.5,
         cache_salt: str | None = None,
+        tokenized_with=None,
     ) -> GenerationResult:
         """Submits one prompt; returns at once. Await the result, call `.result()`, or iterate
         it (`for` / `async for`) for streamed updates; `.abort()` stops it.
 
         `cache_salt` (a tenant's secret, say) keeps this request's prefix-cache reuse among
-        requests with the same salt."""
+        requests with the same salt. `tokenized_with`: the tokenizer token ids were made with
+        (`llm.tokenizer` when you tokenized): refused if a wakeup has swapped it since."""
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer(prompt)["input_ids"] if text is not None else prompt
+        if text is not None:
+            tokenized_with = self.tokenizer
+            token_ids = tokenized_with(prompt)["input_ids"]
+        else:
+            token_ids = prompt
         request = GenerationRequest(
             token_ids,
             sampling_params or SamplingParams(),
@@ -122,7 +130,7 @@ class LLM:
             priority=priority,
             cache_salt=cache_salt,
         )
-        return self._executor.submit(request, prompt=text)
+        return self._executor.submit(request, prompt=text, tokenized_with=tokenized_with)
 
     # ---- sleep and wakeup ---------------------------------------------------------------------
 
@@ -147,7 +155,14 @@ class LLM:
         the engine stays asleep, able to wake up with the weights it had."""
         if model is None:
             return self._executor.wake_up(None)
-        model = str(model)
+        if not self._waking.acquire(blocking=False):
+            raise TransitionError("another wakeup is under way", "conflict", self.admission_state)
+        try:
+            return self._wake_up_with(str(model))
+        finally:
+            self._waking.release()
+
+    def _wake_up_with(self, model: str) -> TransitionResult:
         tokenizer = None
         if self._tokenizer_follows_model:
             if not (Path(model) / "config.json").is_file():
@@ -164,20 +179,35 @@ class LLM:
                     "invalid_model",
                     self.admission_state,
                 ) from error
-            if getattr(self._executor, "num_postprocess_workers", 0) and tokenizer_files(
-                tokenizer
-            ) != tokenizer_files(self.tokenizer):
+            if tokenizer_files(tokenizer) == tokenizer_files(self.tokenizer):
+                tokenizer = None  # the same tokenizer: nothing to swap
+            elif getattr(self._executor, "num_postprocess_workers", 0):
+                # Each postprocess worker detokenizes with the tokenizer it started with.
                 raise TransitionError(
                     f"cannot wake up with {model}: its tokenizer is not the one the postprocess "
                     "workers detokenize with; restart the server to serve it",
                     "invalid_model",
                     self.admission_state,
                 )
-        result = self._executor.wake_up(model)
+        if tokenizer is None or self.admission_state != "parked":
+            result = self._executor.wake_up(model)  # nothing to swap, or refused: not parked
+        else:
+            result = self._wake_up_with_tokenizer(model, tokenizer)
         self.config.model = model
-        if tokenizer is not None:
-            self._executor.tokenizer = tokenizer
         return result
+
+    def _wake_up_with_tokenizer(self, model: str, tokenizer) -> TransitionResult:
+        """The new revision's tokenizer serves before the engine admits again: it is swapped in
+        while the engine is parked (every attached frontend is sent to attach again for it), so
+        no request is ever tokenized or detokenized with the other revision's. A wakeup the
+        engine refuses (it stays parked, with its own weights) swaps the old one back."""
+        old = self._executor.tokenizer
+        self._executor.replace_tokenizer(tokenizer)
+        try:
+            return self._executor.wake_up(model)
+        except TransitionError:
+            self._executor.replace_tokenizer(old)
+            raise
 
     @property
     def tokenizer(self):

@@ -1,19 +1,37 @@
 """Fixtures shared by every test folder: tiny checkpoints, written once per session, and the
-real model (SmolLM2), converted once per machine."""
+real model (SmolLM2), converted once per machine.
+
+The tests import the installed `berth` and their own helpers as `tests.*` (tests.support, ...),
+with the repository root off sys.path: its top-level folders are no packages of their own (they
+install as subpackages of `berth`), and on sys.path `kernels/` would answer Hugging Face's
+`import kernels`, which transformers makes whenever a model loads. `python -m pytest` from the
+root puts it there: it is taken off again before anything imports transformers, and no process
+a test starts (`python -m berth ...` from the root, say) puts its working directory there
+(PYTHONSAFEPATH, Python 3.11+).
+"""
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
+import types
 from pathlib import Path
 
-import pytest
-import zmq
+TESTS = Path(__file__).resolve().parent
+REPOSITORY = TESTS.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != REPOSITORY]
+os.environ["PYTHONSAFEPATH"] = "1"
+# `tests` is the tests folder itself, without the folder above it on sys.path.
+_tests_package = types.ModuleType("tests", "berth's tests and their helpers")
+_tests_package.__path__ = [str(TESTS)]
+sys.modules.setdefault("tests", _tests_package)
 
-from berth.engine.models.fetch import fetch_model
-from berth.engine.models.tiny_model import make_tiny_model
+import pytest  # noqa: E402
+import zmq  # noqa: E402
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+from berth.engine.models.fetch import fetch_model  # noqa: E402
+from berth.engine.models.tiny_model import make_tiny_model  # noqa: E402
 
 
 def _open_zmq_contexts() -> list[zmq.Context]:

@@ -28,6 +28,7 @@ in use fails at once), `endpoint.start(executor, model_name)` once it has loaded
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from berth.engine.engine_io import AbortRequest, GenerationRequest, RequestError, Response
+from berth.engine.engine_io import AbortRequest, EngineStats, GenerationRequest, RequestError, Response
 from berth.engine.executor import ipc
 from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.executor import GenerationExecutor
@@ -66,6 +67,7 @@ TICK_SECONDS = 0.1  # how often the endpoint looks at the engine (dead? closed?)
 PROBE_SECONDS = 2.0  # after a connection closed, how long to look for the frontend it was
 PROBE_INTERVAL = 0.05
 MAX_MESSAGE_BYTES = 64 << 20  # a request is a few hundred KB at most; anything larger is refused
+SWAP_TIMEOUT = 10.0  # how long a tokenizer swap waits for the endpoint's thread to act on it
 
 
 @dataclass
@@ -122,6 +124,9 @@ class AttachEndpoint:
         self._ended_reason: str | None = None  # once set, every hello is refused with it
         self._last_refusal: str | None = None
         self._thread: threading.Thread | None = None
+        # Tokenizer swaps waiting for the endpoint's thread to send frontends away: the tokenizer
+        # swapped in, and the event set once the thread has acted on it.
+        self._swaps_waiting: list[tuple[object, threading.Event]] = []
 
     # ---- the owner's side --------------------------------------------------------------------
 
@@ -130,6 +135,7 @@ class AttachEndpoint:
         self._model_name = model_name
         self._info = self._engine_info()
         executor.foreign_sink = self._forward
+        executor.tokenizer_listeners.append(self._tokenizer_replaced)
         self._thread = threading.Thread(target=self._run, name="berth-attach", daemon=True)
         self._thread.start()
 
@@ -152,15 +158,55 @@ class AttachEndpoint:
             self._thread.join(5)
         if self._executor is not None:
             self._executor.foreign_sink = None
+            with contextlib.suppress(ValueError):
+                self._executor.tokenizer_listeners.remove(self._tokenizer_replaced)
         self._monitor.close(linger=0)
         self._router.close(linger_ms=1000)  # the last word to each frontend must get out
         self._outbox.close()
         self._context.term()
 
+    @property
+    def idle(self) -> bool:
+        """No frontend's request is in the engine (the drain before a shutdown waits for this)."""
+        with self._sessions_lock:
+            return not any(session.live for session in self._sessions.values())
+
+    def abort_all(self) -> None:
+        """Aborts every frontend's requests in the engine (a drain's timeout has passed): each
+        ends with finish_reason "abort", and its frontend hears so before the attachment ends."""
+        with self._sessions_lock:
+            live = [request_id for session in self._sessions.values() for request_id in session.live]
+        for request_id in live:
+            self._executor.abort(request_id)
+
+    def _owner_stats(self) -> EngineStats | None:
+        return self._as_owner_says(self._executor.stats)
+
+    def _as_owner_says(self, stats: EngineStats | None) -> EngineStats | None:
+        """The engine's stats with the owner's admission state: frontends follow the owner's
+        decision (a drain before its shutdown closes admission before the engine's own state
+        changes), whichever way the stats reach them."""
+        admission = self._executor.admission_state
+        if stats is None or stats.admission == admission:
+            return stats
+        return dataclasses.replace(stats, admission=admission)
+
+    def _tokenizer_replaced(self, tokenizer) -> None:
+        """The executor swapped its tokenizer (a wakeup with another revision, while the engine
+        is parked): returns once the endpoint's thread has sent away every frontend attached with
+        another one (`_model_swapped`), so none of their requests reaches the engine after it
+        admits again."""
+        done = threading.Event()
+        with self._sessions_lock:
+            self._swaps_waiting.append((tokenizer, done))
+        if self._thread is not None and self._thread.is_alive() and not done.wait(SWAP_TIMEOUT):
+            logger.error("the attach endpoint did not act on a tokenizer swap in %.0f s", SWAP_TIMEOUT)
+
     # ---- other threads hand frames over --------------------------------------------------------
 
     def _forward(self, responses: dict[int, list[Response | SequenceUpdate]], stats) -> None:
         """The dispatch thread: each frontend's share of a step goes on its own lane."""
+        stats = self._as_owner_says(stats)
         for frontend_id, mine in responses.items():
             with self._sessions_lock:
                 session = self._by_frontend.get(frontend_id)
@@ -177,6 +223,7 @@ class AttachEndpoint:
             poller.register(sock, zmq.POLLIN)
         next_heartbeat = time.monotonic()
         probe_until = 0.0
+        admission = self._executor.admission_state
         try:
             while True:
                 now = time.monotonic()
@@ -191,8 +238,12 @@ class AttachEndpoint:
                     self._drain_monitor()
                     probe_until = time.monotonic() + PROBE_SECONDS
                 self._check_engine()
+                self._swaps_done()
                 now = time.monotonic()
-                if probing or now >= next_heartbeat:
+                # A change of admission (a drain starts) reaches every frontend at once: each
+                # stops being ready then, not a heartbeat later.
+                previous, admission = admission, self._executor.admission_state
+                if probing or admission != previous or now >= next_heartbeat:
                     self._heartbeat(now)
                     next_heartbeat = now + HEARTBEAT_SECONDS
             self._end_all("the engine's owner has stopped serving frontends", engine_dead=False)
@@ -282,7 +333,7 @@ class AttachEndpoint:
         welcome = AttachWelcome(
             session.frontend_id,
             self._info,
-            executor.stats,
+            self._as_owner_says(executor.stats),
             executor.admission_state,
             HEARTBEAT_SECONDS,
             HEARTBEAT_TIMEOUT,
@@ -298,7 +349,7 @@ class AttachEndpoint:
             )
         if self._ended_reason is not None:
             return self._ended_reason
-        if self._executor.is_closed:
+        if self._executor.is_closed or self._executor.admission_state == "shutdown":
             return "the engine's owner is shutting down"
         if len(self._sessions) >= MAX_FRONTEND_ID:
             return f"this engine already serves {MAX_FRONTEND_ID} frontends"
@@ -321,7 +372,7 @@ class AttachEndpoint:
             )
             self._send(
                 session.routing_id,
-                StepResults([Response(request.request_id, 0, [], error=error)], self._executor.stats),
+                StepResults([Response(request.request_id, 0, [], error=error)], self._owner_stats()),
             )
             return
         with self._sessions_lock:  # before it is sent: its first response may come back at once
@@ -334,7 +385,7 @@ class AttachEndpoint:
             if not isinstance(error, RequestError):  # dead (everyone hears it at once), or shutting down
                 error = RequestError(str(error), "admission_closed")
             response = Response(request.request_id, 0, [], error=error)
-            self._send(session.routing_id, StepResults([response], self._executor.stats))
+            self._send(session.routing_id, StepResults([response], self._owner_stats()))
 
     def _gone(self, session: _Session, why: str) -> None:
         """The frontend is gone: its requests still in the engine are aborted, nothing else."""
@@ -364,7 +415,7 @@ class AttachEndpoint:
                 return
 
     def _heartbeat(self, now: float) -> None:
-        beat = Heartbeat(self._executor.stats, self._executor.admission_state)
+        beat = Heartbeat(self._owner_stats(), self._executor.admission_state)
         frames = self._router.sign(beat)
         for session in list(self._sessions.values()):
             if now - session.last_heard > HEARTBEAT_TIMEOUT:
@@ -383,6 +434,17 @@ class AttachEndpoint:
             or str(executor.config.model) != self._info.model_path
         ):
             self._model_swapped()
+
+    def _swaps_done(self) -> None:
+        """The swaps `_check_engine` has acted on (the info is made from their tokenizer, or a
+        later swap replaced it) are done; a swap made after that check waits for the next."""
+        current = self._executor.tokenizer
+        with self._sessions_lock:
+            done = [event for tokenizer, event in self._swaps_waiting if tokenizer is self._info_tokenizer]
+            done += [event for tokenizer, event in self._swaps_waiting if tokenizer is not current]
+            self._swaps_waiting = [(t, e) for t, e in self._swaps_waiting if e not in done]
+        for event in done:
+            event.set()
 
     def _model_swapped(self) -> None:
         """A wakeup swapped the weights in (`LLM.wake_up(model)`): frontends attach from now on

@@ -32,10 +32,12 @@ from berth.engine.engine_io import (
     EngineStats,
     GenerationRequest,
     ModelRevision,
+    RequestError,
     Response,
     Sleep,
     TransitionResult,
     Wakeup,
+    internal_error,
 )
 from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.messages import frontend_of, namespaced_request_id
@@ -45,9 +47,10 @@ from berth.engine.executor.stall_watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
-# How long releasing or restoring memory may take after a sleep's drain (a big model's reload
-# from a slow disk); past it the caller gets a TimeoutError, the engine goes on.
-TRANSITION_TIMEOUT = 900.0
+# How long a caller waits for a transition past its deadline (`EngineConfig.transition_timeout`,
+# after a sleep's drain): the stall watchdog declares the engine dead at the deadline, and this
+# is only a backstop should that fail to answer the caller.
+TRANSITION_GRACE = 30.0
 
 # Another frontend's responses, by frontend id, with the stats of the step they came from.
 ForeignSink = Callable[[dict[int, list[Response | SequenceUpdate]], EngineStats], None]
@@ -68,6 +71,11 @@ class GenerationExecutor(ABC):
         self._fatal_lock = threading.Lock()
         self._fatal_error: BaseException | None = None
         self._closed = False  # set when shutdown starts: admission stops there
+        # Set when a drain before a shutdown starts (`stop_admission`): new requests, this
+        # process's and every attached frontend's, are refused; those in flight run on.
+        self._admission_stopped: str | None = None
+        # Called with the new tokenizer by `replace_tokenizer`, before admission can reopen.
+        self.tokenizer_listeners: list[Callable[[object], None]] = []
         self._shutdown_lock = threading.Lock()
         # What the engine runs and can serve, as it said once when it started (set by the subclass).
         self.config = None  # EngineConfig
@@ -151,16 +159,45 @@ class GenerationExecutor(ABC):
         engine's own state."""
         if self.is_dead:
             return "failed"
-        if self._closed:
+        if self._closed or self._admission_stopped is not None:
             return "shutdown"
         return self._engine_admission_state()
 
-    def submit(self, request: GenerationRequest, *, prompt: str | None = None) -> GenerationResult:
+    def replace_tokenizer(self, tokenizer) -> None:
+        """Serves with `tokenizer` from now on (a wakeup that swaps in a revision brings its own).
+        Call it while the engine admits nothing (parked): once it returns, no request tokenized
+        with the old one can be submitted (`submit`), and every `tokenizer_listeners` callback (an
+        attach endpoint, whose frontends must attach again for it) has run."""
+        with self._results_lock:  # submit checks and uses the tokenizer under it
+            self.tokenizer = tokenizer
+        for listener in list(self.tokenizer_listeners):
+            listener(tokenizer)
+
+    def stop_admission(self, reason: str = "the engine's owner is shutting down") -> None:
+        """The drain before a shutdown: every new request is refused from now on (a
+        RequestError "admission_closed" with `reason`), this process's and those every attached
+        frontend forwards, and the admission state says "shutdown", which frontends follow;
+        requests in flight run on. `shutdown()` ends them later."""
+        self._admission_stopped = reason
+
+    def submit(
+        self, request: GenerationRequest, *, prompt: str | None = None, tokenized_with=None
+    ) -> GenerationResult:
+        """Sends `request`; its result detokenizes with the tokenizer serving now. `tokenized_with`:
+        the tokenizer its prompt was tokenized with, if it was: a request tokenized with one that
+        no longer serves (a wakeup swapped the model in between) is refused, to be sent again
+        (a RequestError "admission_closed": the engine would read its tokens as other words)."""
         self._raise_if_closed()
+        self._raise_unless_admitting()
         request.request_id = self._next_request_id()
-        result = GenerationResult(request, tokenizer=self.tokenizer, prompt=prompt, abort=self.abort)
         # Register before sending, so a response that comes back at once always has a home.
         with self._results_lock:
+            if tokenized_with is not None and tokenized_with is not self.tokenizer:
+                raise RequestError(
+                    "the model's tokenizer changed while this request was being tokenized: send it again",
+                    "admission_closed",
+                )
+            result = GenerationResult(request, tokenizer=self.tokenizer, prompt=prompt, abort=self.abort)
             self._results[request.request_id] = result
         try:
             # Checked again: a death or a shutdown since the first check fails everything it
@@ -177,6 +214,7 @@ class GenerationExecutor(ABC):
         """Sends a request another frontend submitted and keeps the result of (its id says
         which): its responses go to `foreign_sink`. Raises as `submit` does."""
         self._raise_if_closed()
+        self._raise_unless_admitting()
         self._send_request(request)
 
     def _next_request_id(self) -> int:
@@ -196,7 +234,7 @@ class GenerationExecutor(ABC):
         RUNNING, EngineDeadError if it dies on the way."""
         control = Sleep(level, mode, timeout, next(self._transition_ids))
         control.validate()
-        return self._transition(control, timeout + TRANSITION_TIMEOUT)
+        return self._transition(control, timeout + self.config.transition_timeout)
 
     def wake_up(self, model: str | None = None) -> TransitionResult:
         """Wakes the engine (optionally with another revision of its model, see `Wakeup`) and
@@ -204,22 +242,24 @@ class GenerationExecutor(ABC):
         TransitionError("invalid_model") for a model it cannot serve (it stays PARKED)."""
         control = Wakeup(model, next(self._transition_ids))
         control.validate()
-        return self._transition(control, TRANSITION_TIMEOUT)
+        return self._transition(control, self.config.transition_timeout)
 
-    def _transition(self, control: Control, timeout: float) -> TransitionResult:
+    def _transition(self, control: Control, bound: float) -> TransitionResult:
+        """Sends `control` and waits for its result. It must come within `bound` seconds: the
+        stall watchdog holds the engine to that deadline (`overdue_transition`)."""
         self._raise_if_closed()
-        pending = _PendingTransition()
+        pending = _PendingTransition(control.kind, bound)
         with self._results_lock:  # registered before it is sent, like a request's result
             self._transitions[control.transition_id] = pending
         try:
             self._raise_if_closed()
             self._send_control(control)
-            result = pending.wait(timeout)
+            result = pending.wait(bound + TRANSITION_GRACE)
         finally:
             with self._results_lock:
                 self._transitions.pop(control.transition_id, None)
         if result is None:
-            raise TimeoutError(f"the engine did not finish the {control.kind} within {timeout:.0f} s")
+            raise TimeoutError(f"the engine did not finish the {control.kind} within {bound:.0f} s")
         if result.error is not None:
             raise result.error
         return result
@@ -233,6 +273,12 @@ class GenerationExecutor(ABC):
             pending = self._transitions.get(result.transition_id)
         if pending is not None:
             pending.finish(result)
+
+    def overdue_transition(self) -> _PendingTransition | None:
+        """A sleep or wakeup sent to the engine and not done by its deadline, if there is one."""
+        now = time.monotonic()
+        with self._results_lock:
+            return next((t for t in self._transitions.values() if now > t.deadline), None)
 
     def check_health(self) -> bool:
         """True while the engine lives and is not shutting down. Never blocks and never starts a
@@ -255,6 +301,13 @@ class GenerationExecutor(ABC):
     def awaiting_first_step(self) -> bool:
         """No step done since the engine loaded or last woke up."""
         return self._stats is None or self._stats.num_steps <= self._steps_at_start
+
+    def _raise_unless_admitting(self) -> None:
+        if self._admission_stopped is not None:
+            raise RequestError(
+                f"engine is not admitting requests (admission state: shutdown): {self._admission_stopped}",
+                "admission_closed",
+            )
 
     def _raise_if_closed(self) -> None:
         if self._fatal_error is not None:
@@ -301,8 +354,8 @@ class GenerationExecutor(ABC):
                 result = self._results.get(request_id)
                 if result is None:
                     continue  # a late response for a finished or unknown request: nobody waits for it
-                for seq_index in result._handle(mine, stats.timestamp):
-                    self.abort(request_id, seq_index)  # a stop string ended it client-side
+                for seq_index in self._apply(result, mine, stats.timestamp):
+                    self.abort(request_id, seq_index)  # ended on this side: a stop string, a failure
                 if result.finished:
                     with self._results_lock:
                         self._results.pop(request_id, None)
@@ -310,11 +363,24 @@ class GenerationExecutor(ABC):
                     to_wake[loop].append(future)
         _wake(to_wake)
 
+    @staticmethod
+    def _apply(
+        result: GenerationResult, responses: list[Response | SequenceUpdate], step_time: float
+    ) -> list[int | None]:
+        """`result._handle`, within the request's own bounds: anything it raises fails that
+        request alone (the others of the batch, and the engine, go on)."""
+        try:
+            return result._handle(responses, step_time)
+        except Exception:
+            logger.exception("request %d failed while its responses were applied", result.request_id)
+            result._fail(internal_error("postprocess"))
+            return [None]
+
     def _take_stats(self, stats: EngineStats) -> None:
         # Postprocess workers' lanes and heartbeats carry stats too, each in its own order: the
-        # latest snapshot wins, whichever way it came.
+        # latest snapshot (by its sequence number, not the wall clock) wins, whichever way it came.
         latest = self._stats
-        if latest is None or stats.timestamp >= latest.timestamp:
+        if latest is None or stats.seq >= latest.seq:
             self._stats = stats
             stepped = latest is None or stats.num_steps != latest.num_steps
             if stepped or stats.num_running + stats.num_waiting == 0:
@@ -345,9 +411,13 @@ class GenerationExecutor(ABC):
 
 
 class _PendingTransition:
-    """A sleep or wakeup sent to the engine and not answered yet."""
+    """A sleep or wakeup sent to the engine and not answered yet, and when it must be done by."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str, bound: float) -> None:
+        self.kind = kind
+        self.bound = bound
+        self.started = time.monotonic()
+        self.deadline = self.started + bound
         self._done = threading.Event()
         self._result: TransitionResult | None = None
         self._error: BaseException | None = None

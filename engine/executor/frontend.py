@@ -177,7 +177,7 @@ class Attachment(GenerationExecutor):
             if isinstance(message, StepResults):
                 batches.append((message.responses, message.stats))
                 # A heartbeat may have brought a newer state already: the latest snapshot wins.
-                if self._stats is None or message.stats.timestamp >= self._stats.timestamp:
+                if self._stats is None or message.stats.seq >= self._stats.seq:
                     self._admission = message.stats.admission
             elif isinstance(message, Heartbeat):
                 if message.stats is not None:
@@ -310,13 +310,17 @@ class FrontendExecutor:
         attachment = self._attachment
         return attachment.frontend_id if attachment is not None else None
 
-    def submit(self, request: GenerationRequest, *, prompt: str | None = None) -> GenerationResult:
+    def submit(
+        self, request: GenerationRequest, *, prompt: str | None = None, tokenized_with=None
+    ) -> GenerationResult:
         attachment = self._attachment
         if self._closed:
             raise EngineDeadError("the executor has been shut down")
         if attachment is None:
             raise EngineUnreachableError(f"{self._reason} (this frontend attaches again by itself)")
-        return attachment.submit(request, prompt=prompt)
+        # A prompt tokenized before the owner swapped the model in is refused by the attachment
+        # for the new tokenizer: its tokenizer is not the one the prompt was tokenized with.
+        return attachment.submit(request, prompt=prompt, tokenized_with=tokenized_with)
 
     def abort(self, request_id: int, seq_index: int | None = None) -> None:
         attachment = self._attachment

@@ -16,12 +16,15 @@ request is pinned to one postprocess worker for its whole life.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from berth.engine.engine_io import RequestError, Response
+from berth.engine.engine_io import RequestError, Response, internal_error
 from berth.engine.outputs import Logprob
 from berth.engine.sampling_params import SamplingParams
 from berth.engine.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -42,7 +45,9 @@ class SequenceUpdate:
     finish_reason: str | None = None  # as the client sees it: a stop string is a "stop"
     stop_reason: int | str | None = None
     stopped_by_string: bool = False  # the engine must be told to stop this sequence
-    engine_finished: bool = False  # the engine has ended this sequence (or failed the request)
+    # The engine has ended this sequence (or failed the request). An error with this False
+    # happened here, after the engine: the engine still runs the request and must abort it.
+    engine_finished: bool = False
     error: RequestError | None = None  # the whole request failed
     queue_seconds: float | None = None
 
@@ -154,17 +159,28 @@ class RequestPostprocessor:
         self.failed = False
 
     def process(self, response: Response) -> SequenceUpdate:
+        """The update `response` makes. Whatever goes wrong here (a tokenizer that raises on a
+        token, a response that does not fit the request) fails this request alone: the update
+        carries the error, and whoever applies it aborts the request in the engine."""
         if response.error is not None:
             self.failed = True
-            return SequenceUpdate(
-                self.request_id,
-                response.seq_index,
-                [],
-                error=response.error,
-                engine_finished=True,
-                queue_seconds=response.queue_seconds,
-            )
-        return self.sequences[response.seq_index].process(response)
+            return self._failed(response, response.error, engine_finished=True)
+        try:
+            return self.sequences[response.seq_index].process(response)
+        except Exception:
+            logger.exception("request %d failed in postprocessing: it alone ends", self.request_id)
+            self.failed = True
+            return self._failed(response, internal_error("postprocess"), engine_finished=False)
+
+    def _failed(self, response: Response, error: RequestError, *, engine_finished: bool) -> SequenceUpdate:
+        return SequenceUpdate(
+            self.request_id,
+            response.seq_index,
+            [],
+            error=error,
+            engine_finished=engine_finished,
+            queue_seconds=response.queue_seconds,
+        )
 
     @property
     def engine_done(self) -> bool:

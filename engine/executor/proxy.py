@@ -29,12 +29,10 @@ rank's process before the model load, so the backstop watches them all.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ipaddress
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -75,7 +73,7 @@ from berth.engine.executor.messages import (
     WorkerSetup,
 )
 from berth.engine.executor.postprocess_worker import PostprocessWorkers
-from berth.engine.executor.world import LocalWorker, MpiWorld, OutputTail, World, popen
+from berth.engine.executor.world import LocalWorker, MpiWorld, RunningWorld, World
 from berth.engine.tokenizer import loaded
 
 logger = logging.getLogger(__name__)
@@ -153,12 +151,9 @@ class ProxyExecutor(GenerationExecutor):
         self._requests_socket: ipc.SignedSocket | None = None  # connected once the worker says where
         self._send_lock = threading.Lock()  # client threads and the dispatch thread all send
         self._closing = False  # set when shutdown starts: the worker's exit is then expected
-        self._worker_gone = threading.Event()  # set by the watcher when the process has exited
         self._last_words_routed = threading.Event()  # set by the dispatcher after its final drain
         self.identities: list[WorkerIdentity] = []
-        self._process: subprocess.Popen | None = None
-        self._output: OutputTail | None = None  # an MPI world's output
-        self._output_copier: threading.Thread | None = None
+        self._running: RunningWorld | None = None  # once started: its processes, watched
         self._socket_handoff = threading.Lock()  # who closes the sockets: shutdown or the dispatcher
         self._dispatcher_done = False
         self._dispatcher_closes_sockets = False
@@ -166,7 +161,7 @@ class ProxyExecutor(GenerationExecutor):
             target=self._dispatch_loop, name="berth-proxy-dispatch", daemon=True
         )
         try:
-            self._process = self._spawn_worker(self._init.address, self._results_socket.address, addresses)
+            self._running = self._spawn_worker(self._init.address, self._results_socket.address, addresses)
             threading.Thread(target=self._watch_worker, name="berth-worker-watch", daemon=True).start()
             self.tokenizer = loaded(tokenizer)  # while the worker imports torch
             if num_postprocess_workers:  # the worker waits for their lanes before it loads the model
@@ -177,7 +172,7 @@ class ProxyExecutor(GenerationExecutor):
             self._fail_initialization(error)
         self._dispatcher.start()
         # A stalled world cannot be trusted again and holds the model: it is killed.
-        self._watch_for_stalls(detail=self._stuck_ranks, on_stall=self._abandon_world)
+        self._watch_for_stalls(detail=self._running.stuck_ranks, on_stall=self._abandon_world)
         atexit.register(self.shutdown)  # a dead or forgotten engine never hangs the interpreter's exit
 
     # ---- start -------------------------------------------------------------------------------
@@ -215,7 +210,9 @@ class ProxyExecutor(GenerationExecutor):
         self._set_fatal(error)
         self._abandon_world()
 
-    def _spawn_worker(self, init_address: str, result_address: str, addresses: dict[str, str]):
+    def _spawn_worker(
+        self, init_address: str, result_address: str, addresses: dict[str, str]
+    ) -> RunningWorld:
         command = [
             sys.executable,
             "-m",
@@ -233,23 +230,10 @@ class ProxyExecutor(GenerationExecutor):
             # Ranks on this host outlive the proxy by at most a moment (see the worker).
             command += ["--parent-host", socket.gethostname(), "--world-size", str(self.world.size)]
         env = dict(os.environ, **{ipc.KEY_ENV: self.key.hex()})
-        process, self._output = popen(self.world, command, env)
-        if self._output is not None:
-            self._output_copier = threading.Thread(
-                target=self._output.copy, name="berth-world-output", daemon=True
-            )
-            self._output_copier.start()
-        return process
+        return RunningWorld(self.world, command, env)
 
-    def _world_ended(self, code: int) -> str:
-        """How the world ended, in words: for an MPI world with mpiexec's last words, which say
-        what became of the ranks (hydra names the exit code or signal of the one that ended)."""
-        said = f"{self.world.describe(self._process.pid)} {how_it_exited(code)}"
-        if self._output_copier is not None:
-            self._output_copier.join(LAST_WORDS_SECONDS)  # what it wrote before it exited
-            if last := self._output.last_words():
-                said += f" ({last})"
-        return said
+    def _world_ended(self) -> str:
+        return self._running.how_it_ended(LAST_WORDS_SECONDS)
 
     def _handshake(self, setup: WorkerSetup, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -257,6 +241,7 @@ class ProxyExecutor(GenerationExecutor):
         if not isinstance(identity, WorkerIdentity):
             raise RuntimeError(f"the worker's first message must be its identity, got {identity!r}")
         self.identities.append(identity)
+        self._running.ranks = self.ranks  # named before the slow load: the backstop watches them all
         self._requests_socket = ipc.open_socket(
             self._context, zmq.PUSH, identity.request_address, self.key, ipc.REQUESTS, bind=False
         )
@@ -279,12 +264,12 @@ class ProxyExecutor(GenerationExecutor):
             received = self._init.recv(POLL_MS, with_routing_id=True)
             if received is not None:
                 return received
-            if self._worker_gone.is_set():
+            if self._running.gone.is_set():
                 # Its last words (an InitFailed) may still be on the way: they carry the root cause.
                 received = self._init.recv(POLL_MS, with_routing_id=True)
                 if received is not None:
                     return received
-                raise WorkerDiedError(f"{self._world_ended(self._process.returncode)} while {doing}")
+                raise WorkerDiedError(f"{self._world_ended()} while {doing}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the worker did not finish {doing} in time")
 
@@ -303,56 +288,27 @@ class ProxyExecutor(GenerationExecutor):
 
     def _watch_worker(self) -> None:
         """The event: wakes the moment the worker process exits."""
-        code = self._process.wait()
-        self._worker_gone.set()
+        code = self._running.wait()
         if self._closing:
             if code != 0 and not self.is_dead:
                 logger.warning(
-                    "the worker process %d %s during shutdown", self._process.pid, how_it_exited(code)
+                    "the worker process %d %s during shutdown", self._running.process.pid, how_it_exited(code)
                 )
             return
         # The root cause (a WorkerFatal) may be queued just before the exit: let it win.
         self._last_words_routed.wait(LAST_WORDS_SECONDS)
-        self._set_fatal(WorkerDiedError(self._world_ended(code)))
+        self._set_fatal(WorkerDiedError(self._world_ended()))
 
     def _check_workers(self) -> None:
         """The backstop: a worker whose pid is gone is dead, whatever else was (not) noticed."""
-        if self._closing or self._worker_gone.is_set():
+        if self._closing or self._running.gone.is_set():
             return  # expected, or the watcher is already recording it
-        for rank, pid in self._local_ranks():
-            if not _pid_alive(pid):
-                if self.world.size > 1:
-                    which = f"rank {rank}'s process {pid} of {self.world.describe(self._process.pid)}"
-                else:
-                    which = f"the worker process {pid}"
-                self._set_fatal(WorkerDiedError(f"{which} is gone"))
-                return
-
-    def _stuck_ranks(self) -> str:
-        """Which ranks on this machine are not running (stopped, in uninterruptible sleep, gone),
-        from their process state, for a stall's message."""
-        stuck = [
-            f"rank {rank} (pid {pid}) {how}"
-            for rank, pid in self._local_ranks()
-            if (how := _process_state(pid)) is not None
-        ]
-        return "; ".join(stuck)
-
-    def _local_ranks(self) -> list[tuple[int, int]]:
-        """(rank, pid) of every rank on this machine, as rank 0 named them."""
-        here = socket.gethostname()
-        return [(rank, pid) for rank, pid, host in self.ranks if host == here]
+        if (gone := self._running.gone_rank()) is not None:
+            self._set_fatal(WorkerDiedError(gone))
 
     def _kill_worker(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._worker_gone.wait(DEAD_SHUTDOWN_TIMEOUT)
-        # mpiexec's hydra proxies end their ranks when it dies; ranks on this machine are not
-        # left to that alone (one that hangs in a collective would go on holding the model).
-        if isinstance(self.world, MpiWorld):
-            for _, pid in self._local_ranks():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+        if self._running is not None:
+            self._running.kill(DEAD_SHUTDOWN_TIMEOUT)
 
     def _abandon_world(self) -> None:
         """A world that can no longer serve must not go on holding the model: kill what is left."""
@@ -391,7 +347,7 @@ class ProxyExecutor(GenerationExecutor):
             while True:
                 first = self._results_socket.recv(POLL_MS)
                 if first is None:
-                    if self._worker_gone.is_set():  # nothing more can come: route the stragglers
+                    if self._running.gone.is_set():  # nothing more can come: route the stragglers
                         self._route(self._results_socket.recv_nowait_all())
                         return
                 elif not self._route([first, *self._results_socket.recv_nowait_all()]):
@@ -431,7 +387,7 @@ class ProxyExecutor(GenerationExecutor):
         for message in messages:
             if isinstance(message, WorkerFatal):
                 error = message.error
-                if isinstance(error, EngineStalledError) and (stuck := self._stuck_ranks()):
+                if isinstance(error, EngineStalledError) and (stuck := self._running.stuck_ranks()):
                     error = EngineStalledError(f"{error}; {stuck}")  # read now: the world ends soon
                 self._set_fatal(self._root_cause(_with_remote_traceback(error, message.traceback)))
                 more = False
@@ -444,9 +400,9 @@ class ProxyExecutor(GenerationExecutor):
         """Rank 0's fatal error, or in an MPI world where another rank died first (rank 0's next
         collective then fails too: its error is an echo), hydra's verdict on that rank, with
         rank 0's error after it. The world ends within moments of such a death."""
-        if not isinstance(self.world, MpiWorld) or not self._worker_gone.wait(LAST_WORDS_SECONDS):
+        if not isinstance(self.world, MpiWorld) or not self._running.gone.wait(LAST_WORDS_SECONDS):
             return error
-        said = self._world_ended(self._process.returncode)
+        said = self._world_ended()
         if "a rank ended" not in said:
             return error  # rank 0 itself failed (it aborted the world): its error is the cause
         died = WorkerDiedError(f"{said}; rank 0 then failed: {type(error).__name__}: {error}")
@@ -482,7 +438,7 @@ class ProxyExecutor(GenerationExecutor):
     @property
     def world_process(self) -> subprocess.Popen | None:
         """The process the world is: the worker, or mpiexec (its exit code is the world's)."""
-        return self._process
+        return self._running.process if self._running is not None else None
 
     def _engine_admission_state(self) -> str:
         return self._stats.admission if self._stats is not None else "running"
@@ -502,12 +458,12 @@ class ProxyExecutor(GenerationExecutor):
         """Step one, never blocks: the sentinel goes out only if a worker can still read it; the
         worker then aborts what is in flight and answers every request."""
         self._closing = True
-        worker_can_read = not self.is_dead and not self._worker_gone.is_set()
+        worker_can_read = not self.is_dead and not self._running.gone.is_set()
         return worker_can_read and self._send(Shutdown())
 
     def _wait_for_worker(self, timeout: float) -> None:
         """Step two: a live worker gets `timeout` to finish; after that it is killed (abandoned)."""
-        if not self._worker_gone.wait(timeout):
+        if not self._running.gone.wait(timeout):
             logger.error("the worker did not exit within %.0f s: killing it", timeout)
             self._set_fatal(TimeoutError(f"the worker did not stop within {timeout:.0f} s"))
             self._kill_worker()
@@ -556,37 +512,3 @@ def _is_ip(host: str) -> bool:
 def _with_remote_traceback(error: BaseException, traceback: str) -> BaseException:
     error.__cause__ = RemoteTraceback(traceback)
     return error
-
-
-# /proc/PID/stat's states that stop a rank from answering (R, S and I do not).
-_STUCK_STATES = {
-    "T": "is stopped (SIGSTOP)",
-    "t": "is stopped by a debugger",
-    "D": "is in uninterruptible sleep (a hung device or file system)",
-    "Z": "has exited",
-    "X": "has exited",
-}
-
-
-def _process_state(pid: int) -> str | None:
-    """What keeps process `pid` from running, in words; None while it can run."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return "is gone"
-    return _STUCK_STATES.get(state)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited process nobody has reaped yet still answers kill(pid, 0)
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")

@@ -98,10 +98,12 @@ class GenerationResult:
 
     # ---- called by the executor's dispatch thread -------------------------------------------
 
-    def _handle(self, responses: list[Response | SequenceUpdate], step_time: float) -> list[int]:
+    def _handle(self, responses: list[Response | SequenceUpdate], step_time: float) -> list[int | None]:
         """Applies one step's responses, raw or postprocessed (the step ran at `step_time`, the
-        engine's clock); returns the sequences a stop string ended client-side."""
-        stopped: list[int] = []
+        engine's clock); returns what the engine must stop because this side ended it: the
+        sequences a stop string ended, or None for the whole request when postprocessing it
+        failed (the engine does not know, and would go on computing it for nobody)."""
+        stopped: list[int | None] = []
         with self._lock:
             if self._done:
                 return stopped  # late responses after a stop string or an error: dropped
@@ -113,7 +115,7 @@ class GenerationResult:
                     self.queue_seconds = update.queue_seconds
                 if update.error is not None:
                     self._finish(update.error)
-                    return stopped
+                    return stopped if update.engine_finished else [None]
                 sequence = self._sequences[update.seq_index]
                 if not sequence.finished and sequence.apply(update):
                     stopped.append(sequence.index)

@@ -9,6 +9,11 @@ and when the engine's whole process is stopped), declares the engine dead once i
 work and no report of a step for the stall timeout: the first step after load or wakeup gets
 the longer `first_step_timeout`. Sticky: an engine that resumes later stays dead (its results
 were failed; its world is abandoned).
+
+A sleep or wakeup has no requests to make progress on: it is held to its own deadline instead
+(`EngineConfig.transition_timeout`, after a sleep's drain). One that is not done by then (a
+weight reload from a hung file system, a rank stuck in a collective) kills the engine the same
+way, with the transition named in the error.
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ class StallWatchdog:
             executor = self._executor
             if executor.is_dead or executor.is_closed:
                 return
+            overdue = executor.overdue_transition()
+            if overdue is not None:
+                executor._set_fatal(EngineStalledError(self._transition_message(overdue)))
+                self._on_stall()
+                return
             stats = executor._stats
             if not executor.has_work():
                 busy_since = None
@@ -69,6 +79,21 @@ class StallWatchdog:
             executor._set_fatal(EngineStalledError(self._message(bound, first_step, stats)))
             self._on_stall()
             return
+
+    def _transition_message(self, transition) -> str:
+        parts = [
+            f"stalled: the {transition.kind} did not complete in {transition.bound:g} s "
+            f"(--transition-timeout{', after the drain' if transition.kind == 'sleep' else ''})"
+        ]
+        detail = self._detail()
+        if detail:
+            parts.append(detail)
+        else:  # nothing on this machine looks stuck from outside: say where it was running
+            ranks = ", ".join(
+                f"rank {rank} (pid {pid} on {host})" for rank, pid, host in self._executor.ranks
+            )
+            parts.append(f"it was running on {ranks}")
+        return "; ".join(parts)
 
     def _message(self, bound: float, first_step: bool, stats) -> str:
         if first_step:

@@ -63,6 +63,7 @@ from berth.engine.executor.messages import (
     WorkerSetup,
     portable_error,
 )
+from berth.engine.executor.processes import pid_alive
 
 logger = logging.getLogger("berth.engine.executor.worker")
 
@@ -253,7 +254,7 @@ def exit_with_parent(parent_pid: int, ipc_folder: Path | None, by_pid: bool = Fa
     watches the proxy's pid instead, and ends the whole world (`end`) when it is gone."""
 
     def proxy_alive() -> bool:
-        return _pid_alive(parent_pid) if by_pid else os.getppid() == parent_pid
+        return pid_alive(parent_pid) if by_pid else os.getppid() == parent_pid
 
     def watch() -> None:
         while proxy_alive():
@@ -264,14 +265,6 @@ def exit_with_parent(parent_pid: int, ipc_folder: Path | None, by_pid: bool = Fa
         end(1)
 
     threading.Thread(target=watch, name="berth-parent-watch", daemon=True).start()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 class Worker:

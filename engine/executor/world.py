@@ -1,9 +1,11 @@
-"""How the proxy starts its worker world: one worker process, or an MPI world of ranks.
+"""The proxy's worker world: how it starts (one worker process, or an MPI world of ranks), and the
+processes of a started one (`RunningWorld`): watched, described when they end, killed.
 
     LocalWorker   tensor_parallel_size 1: one worker process on this machine.
     MpiWorld      tensor_parallel_size N: N ranks started by mpich's `mpiexec` (hydra), on this
                   machine, or with a hostfile on the hosts it names, reached through the
                   launcher agent (ssh to the worker pods: `berth launch`'s shape).
+    RunningWorld  a started world: its process, its output, its ranks (as rank 0 names them).
 
 Either way the world is one process the proxy starts and watches (the worker, or mpiexec):
 when it ends, the world has ended. mpiexec ends the whole world when any rank dies (hydra
@@ -13,12 +15,20 @@ loses its connection to it and kills its ranks), so one world has one fate.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
 from collections import deque
 from dataclasses import dataclass
+
+from berth.engine.executor.errors import how_it_exited
+from berth.engine.executor.processes import pid_alive, process_state
 
 # How many lines of mpiexec's output are kept for a dead world's error (hydra's verdict is at the end).
 LAST_WORDS_LINES = 40
@@ -147,3 +157,72 @@ def popen(
         start_new_session=True,
     )
     return process, OutputTail(process.stdout)
+
+
+class RunningWorld:
+    """A started world: the one process the proxy started (the worker, or mpiexec: its exit is
+    the world's end), the tail of its output (an MPI world's), and its ranks once rank 0 has
+    named them (`ranks`: (rank, pid, host), sent before the slow model load)."""
+
+    def __init__(self, world: World, worker_argv: list[str], env: dict[str, str]) -> None:
+        self.world = world
+        self.process, self._output = popen(world, worker_argv, env)
+        self.ranks: tuple[tuple[int, int, str], ...] = ()
+        self.gone = threading.Event()  # set once the process has exited (`wait`)
+        self._copier: threading.Thread | None = None
+        if self._output is not None:
+            self._copier = threading.Thread(target=self._output.copy, name="berth-world-output", daemon=True)
+            self._copier.start()
+
+    def wait(self) -> int:
+        """Blocks until the world's process exits; its exit code."""
+        code = self.process.wait()
+        self.gone.set()
+        return code
+
+    def how_it_ended(self, last_words_seconds: float) -> str:
+        """How the world ended, in words: for an MPI world with mpiexec's last words, which say
+        what became of the ranks (hydra names the exit code or signal of the one that ended)."""
+        said = f"{self.world.describe(self.process.pid)} {how_it_exited(self.process.returncode)}"
+        if self._copier is not None:
+            self._copier.join(last_words_seconds)  # what it wrote before it exited
+            if last := self._output.last_words():
+                said += f" ({last})"
+        return said
+
+    def local_ranks(self) -> list[tuple[int, int]]:
+        """(rank, pid) of every rank on this machine, as rank 0 named them."""
+        here = socket.gethostname()
+        return [(rank, pid) for rank, pid, host in self.ranks if host == here]
+
+    def gone_rank(self) -> str | None:
+        """A rank on this machine whose process is gone, in words (the polling backstop of a
+        death the process's exit has not shown yet); None while every one lives."""
+        for rank, pid in self.local_ranks():
+            if not pid_alive(pid):
+                if self.world.size > 1:
+                    return f"rank {rank}'s process {pid} of {self.world.describe(self.process.pid)} is gone"
+                return f"the worker process {pid} is gone"
+        return None
+
+    def stuck_ranks(self) -> str:
+        """Which ranks on this machine are not running (stopped, in uninterruptible sleep, gone),
+        from their process state, for a stall's message."""
+        stuck = [
+            f"rank {rank} (pid {pid}) {how}"
+            for rank, pid in self.local_ranks()
+            if (how := process_state(pid)) is not None
+        ]
+        return "; ".join(stuck)
+
+    def kill(self, timeout: float) -> None:
+        """Kills the world: its process (waiting up to `timeout` for its exit to be seen) and every
+        rank on this machine. mpiexec's hydra proxies end their ranks when it dies; ranks here are
+        not left to that alone (one that hangs in a collective would go on holding the model)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.gone.wait(timeout)
+        if isinstance(self.world, MpiWorld):
+            for _, pid in self.local_ranks():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)

@@ -110,6 +110,10 @@ class TensorParallelGroup:
     # How long rank 0's sends on the control group wait for the others (None: forever). Between
     # steps every other rank waits to receive, so a send that waits long means a stuck rank.
     leader_timeout: datetime.timedelta | None = None
+    # Gathers the outcomes of a sleep's or wakeup's memory action (gloo), with the transitions'
+    # bound as its timeout (None: the control group's): a rank that never finishes its part
+    # (a reload from a hung file system) fails every other rank's wait, not a year later.
+    transition_group: object = None
 
     @property
     def is_leader(self) -> bool:
@@ -173,6 +177,16 @@ class TensorParallelGroup:
         dist.all_gather_object(values, value, group=self.control_group)
         return values
 
+    def all_gather_transition_outcomes(self, value: object) -> list[object]:
+        """`all_gather_objects` on the transition group: it raises once its timeout passes."""
+        if self.size == 1:
+            return [value]
+        import torch.distributed as dist
+
+        values: list[object] = [None] * self.size
+        dist.all_gather_object(values, value, group=self.transition_group or self.control_group)
+        return values
+
     def min_over_ranks(self, value: int) -> int:
         if self.size == 1:
             return value
@@ -229,6 +243,7 @@ def join_group(
     device: torch.device,
     store: object | None = None,
     timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
+    transition_timeout: datetime.timedelta | None = None,
 ) -> TensorParallelGroup:
     """Joins the world's process groups (rank 0 passes the store it opened). A collective of a
     forward that waits past `timeout` raises (gloo; NCCL's watchdog aborts the process): a rank
@@ -240,7 +255,11 @@ def join_group(
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=IDLE_FOREVER)
-    return TensorParallelGroup(rank, size, dist.group.WORLD, control, leader_timeout=timeout)
+    # Every rank creates the same groups in the same order (new_group is collective).
+    transitions = dist.new_group(backend="gloo", timeout=transition_timeout or IDLE_FOREVER)
+    return TensorParallelGroup(
+        rank, size, dist.group.WORLD, control, leader_timeout=timeout, transition_group=transitions
+    )
 
 
 def leave_process_group() -> None:

@@ -6,20 +6,19 @@ every step's responses go out as one batch through `on_responses`. A failure tha
 one request (a `RequestError`, or anything raised while admitting or sampling it alone) fails
 that request; any other exception is fatal and ends the loop through `on_fatal`.
 
-Sleep and wakeup are control messages on the same queue, taken up between steps: a sleep
-lets the batch drain (or aborts it), then releases memory on every rank; a wakeup restores
-it; each ends with a `TransitionResult` through `on_transition`, after the responses of the
-turn that ended it. A transition that fails half-way leaves the engine FAILED: fatal.
+Sleep and wakeup are control messages on the same queue, taken up between steps by the state
+machine in `transitions.py`: each ends with a `TransitionResult` through `on_transition`, after
+the responses of the turn that ended it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +26,6 @@ from berth.engine.config import EngineConfig
 from berth.engine.engine_io import (
     AbortRequest,
     EngineLimits,
-    EngineMemory,
     EngineStalledError,
     EngineStats,
     GenerationRequest,
@@ -39,28 +37,21 @@ from berth.engine.engine_io import (
     Shutdown,
     Sleep,
     TokenLogprobs,
-    TransitionError,
     TransitionResult,
     Wakeup,
+    internal_error,
 )
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
 from berth.engine.pyexecutor import step_inputs
 from berth.engine.pyexecutor.model_runner import ModelRunner
 from berth.engine.pyexecutor.rank import build_rank, rank_memory
-from berth.engine.pyexecutor.request_queue import AdmissionState, RequestQueue
+from berth.engine.pyexecutor.request_queue import RequestQueue
 from berth.engine.pyexecutor.sampler import Sampler
 from berth.engine.pyexecutor.scheduler import Scheduler
 from berth.engine.pyexecutor.sequence import Sequence, SequenceState
-from berth.engine.pyexecutor.sleep import (
-    CommitWakeup,
-    DiscardStagedWeights,
-    MemoryAction,
-    RankOutcome,
-    ReleaseMemory,
-    StageWeights,
-    resident_bytes,
-)
+from berth.engine.pyexecutor.sleep import MemoryAction, RankOutcome, resident_bytes
+from berth.engine.pyexecutor.transitions import Transitions
 from berth.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,17 +62,6 @@ HEARTBEAT_SECONDS = 1.0
 
 ResponseSink = Callable[[list[Response], EngineStats], None]
 TransitionSink = Callable[[TransitionResult], None]
-
-
-@dataclass
-class _Parking:
-    """A sleep under way: admission is closed and the batch drains until `deadline`."""
-
-    control: Sleep
-    started: float  # time.monotonic()
-    deadline: float
-    memory_before: EngineMemory
-    num_aborted: int = 0
 
 
 class PyExecutor:
@@ -108,12 +88,9 @@ class PyExecutor:
         self._shutting_down = False
         self.num_preemptions = 0
         self.num_computed_tokens = 0
-        self._parking: _Parking | None = None
-        self._waking: Wakeup | None = None  # taken up, carried out in the next turn
-        self._sleep_level = 0  # of the sleep under way or done; 0 while running
-        self.finished_transitions: list[TransitionResult] = []  # sent by `run` after each turn
-        self._state_changed = False  # stats go out after this turn even if it answered nobody
+        self.transitions = Transitions(self)
         self.num_steps = 0
+        self._stats_seq = itertools.count(1)  # snapshots are taken on more than one thread
         self._thread: threading.Thread | None = None
         self._start_on_thread: queue.SimpleQueue | None = None  # set by `launch`
 
@@ -129,7 +106,7 @@ class PyExecutor:
         cls, config: EngineConfig, tp: TensorParallelGroup = SINGLE, on_progress: ProgressSink | None = None
     ) -> PyExecutor:
         """`from_config` on a new thread, which then runs the loop once `start()` is called.
-        Before it returns, one token goes through the model on every rank (`_verify_forward`):
+        Before it returns, one token goes through the model on every rank (`verify_forward`):
         the first step, which may compile kernels, is done before the engine says it is ready,
         and weights that give no finite logits never serve.
 
@@ -146,7 +123,7 @@ class PyExecutor:
                 engine = cls.from_config(config, tp, on_progress)
                 if on_progress is not None:
                     on_progress(LoadProgress("checking the model"))
-                problem = engine._verify_forward()
+                problem = engine.verify_forward()
                 if problem is not None:  # the worker ends the world (other ranks wait in receive)
                     raise RuntimeError(f"{config.model} failed its check after loading: {problem}")
             except BaseException as error:
@@ -199,8 +176,8 @@ class PyExecutor:
                 # While it has work the loop speaks at least every heartbeat, even if no step
                 # answered anyone (non-streamed requests): the stall watchdog hears it step.
                 heartbeat = self.scheduler.has_work() and time.monotonic() - spoke >= heartbeat_seconds
-                if responses or self._state_changed or heartbeat:
-                    self._state_changed = False
+                if responses or self.transitions.state_changed or heartbeat:
+                    self.transitions.state_changed = False
                     on_responses(responses, self.stats())
                     spoke = time.monotonic()
                 # After the turn's responses: whoever waits for a sleep hears of the requests it
@@ -216,20 +193,18 @@ class PyExecutor:
 
     def iterate(self) -> list[Response]:
         """One turn of the loop: take what is queued (blocking only while idle), then one step,
-        then a sleep under way moves on if it can."""
-        if self._waking is not None:
-            # A turn of its own, after the one that took it up: WAKING has gone out with that
-            # turn's stats, so whoever watches them sees it for as long as a reload takes.
-            wakeup, self._waking = self._waking, None
-            self._wake_up(wakeup)
+        then a sleep under way moves on if it can. A sleep's or wakeup's memory work is a turn
+        of its own (`transitions.py`)."""
+        if self.transitions.has_a_turn_of_its_own:
+            self.transitions.take_its_turn()
             return []
         # A sleep taken up in an earlier turn (whose stats said PARKING) moves on after this one.
-        parking = self._parking
+        draining = self.transitions.parking is not None
         responses = self._fetch_new_requests()
         if self.scheduler.has_work():
             responses += self.step()
-        if parking is not None:
-            responses += self._continue_sleep()
+        if draining:
+            responses += self.transitions.continue_sleep()
         return responses
 
     def step(self) -> list[Response]:
@@ -252,7 +227,7 @@ class PyExecutor:
             error = sampled.errors[i]
             if error is not None:
                 logger.error("request %d failed in sampling: %r", sequence.request_id, error)
-                responses += self._fail(sequence.request_id, _internal(error, "sampling"))
+                responses += self._fail(sequence.request_id, internal_error("sampling"))
                 continue
             sequence.state = SequenceState.GENERATION_IN_PROGRESS
             token = sampled.token_ids[i]
@@ -267,7 +242,7 @@ class PyExecutor:
 
     def _fetch_new_requests(self) -> list[Response]:
         """Takes everything queued; blocks only while there is nothing to do."""
-        idle = not self.scheduler.has_work() and self._parking is None
+        idle = not self.scheduler.has_work() and self.transitions.parking is None
         first = self.request_queue.get(timeout=None if idle else 0)
         items = ([first] if first is not None else []) + self.request_queue.get_nowait_all()
         responses: list[Response] = []
@@ -279,12 +254,11 @@ class PyExecutor:
             elif isinstance(item, Shutdown):
                 # Stop admitting; what is queued or running is aborted so every client hears back.
                 self._shutting_down = True
-                responses += self._abort_all(None)
+                responses += self.abort_all(None)
             elif isinstance(item, Sleep):
-                responses += self._begin_sleep(item)
+                responses += self.transitions.begin_sleep(item)
             elif isinstance(item, Wakeup):
-                self._waking = item
-                self._state_changed = True
+                self.transitions.begin_wakeup(item)
         return responses
 
     # ---- admission at activation: the checks that need the model and the pool ----------------
@@ -302,9 +276,9 @@ class PyExecutor:
             return [Response(request.request_id, 0, [], error=error)]
         except ValueError as error:
             return [Response(request.request_id, 0, [], error=RequestError(str(error)))]
-        except Exception as error:
+        except Exception:
             logger.exception("request %d failed while being admitted", request.request_id)
-            return [Response(request.request_id, 0, [], error=_internal(error, "admission"))]
+            return [Response(request.request_id, 0, [], error=internal_error("admission"))]
         self._active[request.request_id] = group
         self.scheduler.add(group)
         return []
@@ -379,7 +353,7 @@ class PyExecutor:
         if group is not None and all(s.finished for s in group):
             del self._active[sequence.request_id]
 
-    def _abort_all(self, reason: str | None) -> list[Response]:
+    def abort_all(self, reason: str | None) -> list[Response]:
         responses = []
         for request_id in list(self._active):
             responses += self._abort(request_id, None, reason)
@@ -409,78 +383,9 @@ class PyExecutor:
                 self.scheduler.remove(sequence)
         return [Response(request_id, 0, [], error=error)]
 
-    # ---- sleep and wakeup ---------------------------------------------------------------------
+    # ---- what sleep and wakeup (`transitions.py`) do with the engine ------------------------------
 
-    def _begin_sleep(self, control: Sleep) -> list[Response]:
-        """Admission closed when the sleep was queued (PARKING); the batch drains from here."""
-        now = time.monotonic()
-        self._parking = _Parking(control, now, now + control.drain_timeout, self.memory.memory())
-        self._sleep_level = control.level
-        self._state_changed = True  # PARKING reaches the stats now, even if no step answers anyone
-        if control.mode != "abort":
-            return []
-        return self._abort_for_sleep(
-            f"aborted: the engine is going to sleep (level {control.level}, mode abort)"
-        )
-
-    def _continue_sleep(self) -> list[Response]:
-        parking = self._parking
-        if self._shutting_down:  # a shutdown came first: there is nothing to sleep for
-            self._parking = None
-            self._refuse(parking.control, "the engine is shutting down", AdmissionState.SHUTDOWN)
-            return []
-        responses: list[Response] = []
-        if self.scheduler.has_work():
-            if time.monotonic() < parking.deadline:
-                return []
-            responses = self._abort_for_sleep(
-                f"aborted: the engine went to sleep and its drain timeout "
-                f"({parking.control.drain_timeout:g} s) passed before this request finished"
-            )
-        self._parking = None
-        drain_seconds = time.monotonic() - parking.started
-        self._on_every_rank(ReleaseMemory(parking.control.level), "release memory for a sleep")
-        if self._move(AdmissionState.PARKING, AdmissionState.PARKED):
-            self._report(
-                parking.control, parking.started, parking.memory_before, drain_seconds, parking.num_aborted
-            )
-        return responses
-
-    def _abort_for_sleep(self, reason: str) -> list[Response]:
-        self._parking.num_aborted += len(self._active)
-        return self._abort_all(reason)
-
-    def _wake_up(self, control: Wakeup) -> None:
-        """WAKING since it was queued; the engine is idle (nothing is admitted while asleep)."""
-        if self._shutting_down:
-            self._refuse(control, "the engine is shutting down", AdmissionState.SHUTDOWN)
-            return
-        started, before = time.monotonic(), self.memory.memory()
-        staged = self.memory_actions(StageWeights(control.model))
-        failed = [outcome for outcome in staged if outcome.error is not None]
-        if failed:
-            self._on_every_rank(DiscardStagedWeights(), "drop the weights staged for a wakeup")
-            errors = _rank_errors(failed)
-            if control.model is None:  # the engine's own weights could not be restored
-                self._fail_transition(f"wakeup failed: {errors}")
-            if self._move(AdmissionState.WAKING, AdmissionState.PARKED):
-                message = (
-                    f"cannot wake up with {control.model}: {errors}. The engine is still parked and "
-                    "can wake up with the weights it had"
-                )
-                self._refuse(control, message, AdmissionState.PARKED, code="invalid_model")
-            return
-        self._on_every_rank(CommitWakeup(), "restore memory for a wakeup")
-        problem = self._verify_forward()
-        if problem is not None:
-            self._fail_transition(f"wakeup failed its check: {problem} ({self.memory.revision.path})")
-        self.model_config = self.memory.model_config  # a new revision may stop on other tokens
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self._sleep_level = 0
-        if self._move(AdmissionState.WAKING, AdmissionState.RUNNING):
-            self._report(control, started, before)
-
-    def _verify_forward(self) -> str | None:
+    def verify_forward(self) -> str | None:
         """One token through the model on every rank, before admission reopens: what is wrong
         with the restored weights (not finite logits: a poisoned checkpoint, a broken copy), or
         None. It is also the first step after the wakeup, the one that may compile kernels."""
@@ -503,66 +408,35 @@ class PyExecutor:
         tp = self.model_runner.tp
         if tp.size > 1:
             step_inputs.broadcast_memory_action(tp, action)
-        return tp.all_gather_objects(self.memory.apply(action))
-
-    def _on_every_rank(self, action: MemoryAction, doing: str) -> None:
-        """`action` everywhere; one rank's failure fails the world (FAILED, then fatal)."""
-        failed = [outcome for outcome in self.memory_actions(action) if outcome.error is not None]
-        if failed:
-            self._fail_transition(f"could not {doing}: {_rank_errors(failed)}")
-
-    def _fail_transition(self, message: str) -> None:
-        self.request_queue.fail()
-        raise RuntimeError(message)
-
-    def _move(self, expected: AdmissionState, target: AdmissionState) -> bool:
-        """The loop's own compare-and-set; False when a shutdown came in between (it wins).
-        Every change of state goes out in the stats (attach frontends follow admission there)."""
+        outcome = self.memory.apply(action)
         try:
-            self.request_queue.transition(expected, target)
-        except RuntimeError:
-            if self.request_queue.admission_state is AdmissionState.SHUTDOWN:
-                return False
-            raise
-        self._state_changed = True
-        return True
-
-    def _report(
-        self,
-        control: Sleep | Wakeup,
-        started: float,
-        before: EngineMemory,
-        drain_seconds: float = 0.0,
-        num_aborted: int = 0,
-    ) -> None:
-        self.finished_transitions.append(
-            TransitionResult(
-                transition_id=control.transition_id,
-                kind=control.kind,
-                admission=self.request_queue.admission_state.value,
-                seconds=time.monotonic() - started,
-                drain_seconds=drain_seconds,
-                num_aborted=num_aborted,
-                memory_before=before,
-                memory_after=self.memory.memory(),
-                model_revision=self.memory.revision,
-                stats=self.stats(),
+            return tp.all_gather_transition_outcomes(outcome)
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower():
+                raise
+            stalled = EngineStalledError(
+                f"stalled: a rank of the {tp.size} did not finish {type(action).__name__} within "
+                f"{self.config.transition_collective_timeout:g} s ({error})"
             )
-        )
+            raise stalled from error
 
-    def _refuse(
-        self, control: Sleep | Wakeup, message: str, state: AdmissionState, code: str = "conflict"
-    ) -> None:
-        self.finished_transitions.append(
-            TransitionResult(
-                transition_id=control.transition_id,
-                kind=control.kind,
-                admission=state.value,
-                error=TransitionError(message, code, state.value),
-                model_revision=self.memory.revision,
-                stats=self.stats(),
-            )
-        )
+    def serve_model_config(self, model_config: ModelConfig) -> None:
+        """The model a wakeup swapped in (its end-of-sequence tokens may be other ones)."""
+        self.model_config = model_config
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def finished_transitions(self) -> list[TransitionResult]:
+        """Sleeps and wakeups done (or refused) and not sent yet: `run` sends them after each turn."""
+        return self.transitions.finished
 
     # ---- control and introspection ------------------------------------------------------------
 
@@ -587,12 +461,13 @@ class PyExecutor:
             other_collective_seconds=collectives.other_seconds,
             timestamp=time.time(),
             admission_since=queue.admission_since,
-            sleep_level=self._sleep_level,
+            sleep_level=self.transitions.sleep_level,
             kv_cache_bytes=self.kv_cache.nbytes if self.kv_cache.is_allocated else 0,
             weight_bytes=self.memory.weight_bytes,
             model_revision=self.memory.revision,
             transitions=dict(queue.transitions),
             resident_bytes=resident_bytes(),
+            seq=next(self._stats_seq),
         )
 
 
@@ -611,17 +486,13 @@ def engine_limits(
     )
 
 
-def _internal(error: BaseException, where: str) -> RequestError:
-    """An unexpected failure that belongs to one request. Its message is the engine's log's:
-    clients learn that it failed, not how the engine is built."""
-    return RequestError(f"the engine failed on this request ({where}); see the engine's log", "internal")
-
-
 def _stalled_collective(
     error: BaseException, world_size: int, config: EngineConfig
 ) -> EngineStalledError | None:
     """A collective that timed out (gloo: "Timed out waiting ...", "Operation timed out!") means
     a rank stopped answering: the world stalled, it did not crash."""
+    if isinstance(error, EngineStalledError):
+        return None  # said already, better
     if world_size == 1 or not isinstance(error, RuntimeError) or "timed out" not in str(error).lower():
         return None
     stalled = EngineStalledError(
@@ -630,7 +501,3 @@ def _stalled_collective(
     )
     stalled.__cause__ = error
     return stalled
-
-
-def _rank_errors(failed: list[RankOutcome]) -> str:
-    return "; ".join(f"rank {outcome.rank}: {outcome.error}" for outcome in failed)

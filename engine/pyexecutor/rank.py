@@ -107,7 +107,8 @@ def join_world(
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     timeout = datetime.timedelta(seconds=config.collective_timeout)
-    return join_group(rank, size, address, torch.device(device), store, timeout)
+    transitions = datetime.timedelta(seconds=config.transition_collective_timeout)
+    return join_group(rank, size, address, torch.device(device), store, timeout, transitions)
 
 
 def leave_world() -> None:
@@ -286,4 +287,4 @@ def follow(runner: ModelRunner, config: EngineConfig) -> None:
         if isinstance(message, step_inputs.StepInputs):
             runner.run(message)
         else:
-            runner.tp.all_gather_objects(memory.apply(message))
+            runner.tp.all_gather_transition_outcomes(memory.apply(message))

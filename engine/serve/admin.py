@@ -71,6 +71,8 @@ async def state(request: Request) -> dict:
         "kv_blocks_cached": stats.kv_blocks_cached if stats is not None else 0,
         "prefix_caching": ctx.llm.config.enable_prefix_caching,
         "num_preemptions": stats.num_preemptions if stats is not None else 0,
+        # Tokens the model has run since start (prefill and decode): the engine's own work.
+        "num_computed_tokens": stats.num_computed_tokens if stats is not None else 0,
     }
 
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from berth.engine.serve.auth import BEARER
 from berth.engine.serve.completions import STREAM_DOC
-from berth.engine.serve.context import ServingContext, serving
+from berth.engine.serve.context import serving
 from berth.engine.serve.errors import bad_request, documented
 from berth.engine.serve.generation import Generation, unless_disconnected
 from berth.engine.serve.logprobs import chat_logprobs
@@ -34,8 +34,10 @@ router = APIRouter(dependencies=BEARER, responses=documented(400, 401, 404, 413,
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     ctx = serving(request)
     admit(ctx, body)
+    # The one tokenizer (and template) this request is rendered with: a wakeup may swap them.
+    tokenizer = ctx.tokenizer
     # Rendering and tokenizing a long chat takes long: off the event loop, so probes go on.
-    prompt = check_token_ids(ctx, await asyncio.to_thread(_render, ctx, body), "messages")
+    prompt = check_token_ids(ctx, await asyncio.to_thread(_render, tokenizer, body), "messages")
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(
         ctx, getattr(body, budget_param), len(prompt), param=budget_param, prompt_param="messages"
@@ -43,7 +45,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs)
     names = {"prompt": "messages", "max_tokens": budget_param}
-    generation = Generation(ctx, [prompt], [params], names=names, cache_salt=body.cache_salt)
+    generation = Generation(
+        ctx, [prompt], [params], names=names, cache_salt=body.cache_salt, tokenized_with=tokenizer
+    )
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     try:
         if body.stream:
@@ -73,12 +77,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     )
 
 
-def _render(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+def _render(tokenizer, body: ChatCompletionRequest) -> list[int]:
     messages = [
         {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
     ]
     try:
-        text = ctx.tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
         )
     except Exception as error:  # the template is the checkpoint's code; it may refuse these messages
@@ -86,7 +90,7 @@ def _render(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
             f"the model's chat template cannot render these messages: {error}", "messages"
         ) from error
     # The template writes the special tokens it wants (BOS included): add none of our own.
-    return ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 async def _chunks(

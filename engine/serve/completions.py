@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from berth.engine.outputs import CompletionOutput, RequestOutput
 from berth.engine.serve.auth import BEARER
-from berth.engine.serve.context import ServingContext, serving
+from berth.engine.serve.context import serving
 from berth.engine.serve.errors import documented
 from berth.engine.serve.generation import Generation, unless_disconnected
 from berth.engine.serve.logprobs import completion_logprobs
@@ -28,8 +28,10 @@ STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, 
 async def create_completion(body: CompletionRequest, request: Request):
     ctx = serving(request)
     admit(ctx, body)
+    # The one tokenizer this request is tokenized with (a wakeup may swap the model meanwhile).
+    tokenizer = ctx.tokenizer
     # Tokenizing a long text takes long: off the event loop, so probes and streams go on.
-    prompt_ids = await asyncio.to_thread(_prompt_token_ids, ctx, body.prompt)
+    prompt_ids = await asyncio.to_thread(_prompt_token_ids, tokenizer, body.prompt)
     prompts = [check_token_ids(ctx, ids, "prompt") for ids in prompt_ids]
     params = [
         sampling_params(
@@ -41,7 +43,15 @@ async def create_completion(body: CompletionRequest, request: Request):
         )
         for p in prompts
     ]
-    generation = Generation(ctx, prompts, params, names={}, cache_salt=body.cache_salt)
+    tokenized = isinstance(body.prompt, str) or isinstance(body.prompt[0], str)
+    generation = Generation(
+        ctx,
+        prompts,
+        params,
+        names={},
+        cache_salt=body.cache_salt,
+        tokenized_with=tokenizer if tokenized else None,
+    )
     reply = CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=ctx.model_name, choices=[]
     )
@@ -60,11 +70,11 @@ async def create_completion(body: CompletionRequest, request: Request):
     return reply
 
 
-def _prompt_token_ids(ctx: ServingContext, prompt) -> list[list[int]]:
+def _prompt_token_ids(tokenizer, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [ctx.tokenizer(prompt)["input_ids"]]
+        return [tokenizer(prompt)["input_ids"]]
     if isinstance(prompt[0], str):
-        return ctx.tokenizer(prompt)["input_ids"]
+        return tokenizer(prompt)["input_ids"]
     if isinstance(prompt[0], int):
         return [prompt]
     return prompt

@@ -23,7 +23,7 @@ class ServingContext:
     api_key: str | None = None
     admin_token: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    draining: bool = False  # set on SIGTERM: readiness drops, new requests are refused
+    draining: bool = False  # set on SIGTERM (`start_draining`): readiness drops, new requests are refused
     # The engine requests in flight, by the task that reads each to its end (even after its
     # HTTP request is gone). asyncio holds tasks weakly: they are kept here until done.
     in_flight: dict[asyncio.Task, object] = field(default_factory=dict)
@@ -32,6 +32,9 @@ class ServingContext:
     # The name the deployer gave the weights serving (`--model-revision`, or a wakeup's
     # `revision`): the digest says what is there, the label what it was meant to be.
     model_label: str | None = None
+    # The engine owner's attach endpoint (AttachEndpoint), once frontends can attach: a drain
+    # waits for their requests too.
+    frontends: object | None = None
 
     @classmethod
     def for_llm(cls, llm, model_name: str | None = None, **options) -> ServingContext:
@@ -68,6 +71,14 @@ class ServingContext:
         if self.draining:
             raise unavailable("the server is shutting down and admits no new requests", "shutting_down")
 
+    def start_draining(self) -> None:
+        """SIGTERM: this server admits nothing new and stops being ready; the engine's owner
+        also stops admitting every attached frontend's requests (they answer 503 and stop
+        being ready at once). What is in flight, everywhere, runs on (see `idle`)."""
+        self.draining = True
+        if self.llm is not None and self.frontends is not None:
+            self.llm.executor.stop_admission("the engine's owner is shutting down")
+
     def keep(self, task: asyncio.Task, result) -> None:
         """Tracks `result` (a GenerationResult) until `task`, which reads it, is done."""
         self.in_flight[task] = result
@@ -75,12 +86,17 @@ class ServingContext:
 
     @property
     def idle(self) -> bool:
-        return not self.in_flight
+        """Nothing in flight: none of this server's requests, and, on the engine's owner, none
+        of an attached frontend's."""
+        return not self.in_flight and (self.frontends is None or self.frontends.idle)
 
     def abort_all(self) -> None:
-        """Aborts every engine request in flight: each ends with finish_reason "abort"."""
+        """Aborts every engine request in flight, the attached frontends' too: each ends with
+        finish_reason "abort"."""
         for result in list(self.in_flight.values()):
             result.abort()
+        if self.frontends is not None:
+            self.frontends.abort_all()
 
 
 def serving(request: Request) -> ServingContext:

@@ -30,8 +30,10 @@ class Generation:
         *,
         names: dict[str, str],
         cache_salt: str | None = None,
+        tokenized_with=None,
     ) -> None:
-        """`names` maps the engine's field names to this API's, for the errors it raises."""
+        """`names` maps the engine's field names to this API's, for the errors it raises.
+        `tokenized_with`: the tokenizer the prompts were made with (None: the client's ids)."""
         self.prompt_token_ids = prompts
         self._names = names
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -39,7 +41,13 @@ class Generation:
         try:
             for token_ids, sampling_params in zip(prompts, params):
                 self._results.append(
-                    ctx.llm.generate_async(token_ids, sampling_params, streaming=True, cache_salt=cache_salt)
+                    ctx.llm.generate_async(
+                        token_ids,
+                        sampling_params,
+                        streaming=True,
+                        cache_salt=cache_salt,
+                        tokenized_with=tokenized_with,
+                    )
                 )
         except Exception as error:
             self.abort()  # all of the HTTP request's prompts run, or none
@@ -58,6 +66,7 @@ class Generation:
                 timer.update(output, result)
                 self._queue.put_nowait((index, output))
         except Exception as error:
+            timer.failed(error)
             self._queue.put_nowait((index, error))
         self._queue.put_nowait((index, None))
 

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from berth.engine.outputs import RequestOutput
 
 ADMISSION_STATES = ("running", "parking", "parked", "waking", "failed", "shutdown")
+# Where a request can fail alone on an internal error (RequestError.stage).
+ERROR_STAGES = ("admission", "sampling", "postprocess")
 # The states a sleep or wakeup moves the engine to (the labels of sleep_transitions_total).
 TRANSITION_TARGETS = ("parking", "parked", "waking", "running", "failed")
 
@@ -113,6 +115,15 @@ class ServerMetrics:
             registry=r,
         )
         self._model_name = model_name
+        request_errors = Counter(
+            "berth:request_errors",
+            "Requests that failed alone on an internal error (the engine went on), by where.",
+            ["model_name", "stage"],
+            registry=r,
+        )
+        for stage in ERROR_STAGES:  # every series from the start (at 0): rates work from the first error
+            request_errors.labels(model_name, stage)
+        self._request_errors = request_errors
         self.request_prompt_tokens = histogram(
             "berth:request_prompt_tokens", "Prompt length of finished requests.", TOKEN_COUNT_BUCKETS
         )
@@ -189,6 +200,12 @@ class ServerMetrics:
     def finished_sequence(self, reason: str) -> None:
         self._request_success.labels(self._model_name, reason).inc()
 
+    def request_failed(self, error: BaseException) -> None:
+        """Counts a request that failed alone on an internal error, by the stage it failed in."""
+        stage = getattr(error, "stage", None)
+        if getattr(error, "code", None) == "internal" and stage is not None:
+            self._request_errors.labels(self._model_name, stage).inc()
+
 
 class RequestTimer:
     """Times one engine request from its streamed updates and records it when it finishes."""
@@ -215,6 +232,9 @@ class RequestTimer:
         self._steps_seen = count
         if output.finished:
             self._finish(output, result.queue_seconds, now)
+
+    def failed(self, error: BaseException) -> None:
+        self._metrics.request_failed(error)
 
     def _finish(self, output: RequestOutput, queue_seconds: float | None, now: float) -> None:
         m = self._metrics

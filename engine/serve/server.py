@@ -4,6 +4,7 @@ the requests in flight."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import socket
@@ -149,3 +150,38 @@ def serve(
         await serving
 
     asyncio.run(main())
+
+
+def quiet_metrics() -> None:
+    import prometheus_client
+
+    # No `*_created` timestamp series next to every counter and histogram (as vLLM does): this
+    # process serves one model, and the series only double the exposition.
+    prometheus_client.disable_created_metrics()
+
+
+def serve_app(
+    args: argparse.Namespace,
+    ctx,
+    sock,
+    url: str,
+    command: str = "berth serve",
+    stop_when=None,
+    on_started=None,
+) -> None:
+    """Serves `ctx` on `sock` until SIGTERM (a drain, see `ServingContext.start_draining`) or
+    `stop_when()`; the options come from `berth serve`'s arguments."""
+    from berth.engine.serve import build_app  # the routes import this module's neighbours
+
+    serve(
+        build_app(ctx),
+        sock,
+        on_signal=ctx.start_draining,
+        on_started=on_started or (lambda: print(f"{command}: listening on {url}", flush=True)),
+        is_idle=lambda: ctx.idle,
+        on_timeout=ctx.abort_all,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        stop_when=stop_when,
+    )

@@ -11,16 +11,24 @@ from berth.engine.serve.errors import APIError
 from berth.engine.serve.generation import Generation
 
 DONE = format_sse_event(data_str="[DONE]")
+# Characters JSON leaves raw that many line readers (Python's str.splitlines, httpx's iter_lines)
+# take for line breaks, cutting an event in two; the rest below U+0020 JSON escapes already.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _one_line(json_text: str) -> str:
+    """`json_text` with every character a line reader could split on escaped (the same JSON)."""
+    return json_text.translate(_LINE_BREAKING)
 
 
 def sse_response(chunks: AsyncIterator[BaseModel], generation: Generation) -> EventSourceResponse:
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
-                yield format_sse_event(data_str=chunk.model_dump_json())
+                yield format_sse_event(data_str=_one_line(chunk.model_dump_json()))
         except APIError as error:
             # The 200 is already sent: the error travels in the stream, the way OpenAI's does.
-            yield format_sse_event(data_str=error.body().model_dump_json())
+            yield format_sse_event(data_str=_one_line(error.body().model_dump_json()))
         finally:
             # A client that disconnects mid-stream lands here (the stream task is cancelled):
             # its engine requests stop now instead of generating for nobody.

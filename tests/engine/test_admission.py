@@ -5,6 +5,7 @@ was admitted before it."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -84,9 +85,29 @@ def queue_in(state: str) -> RequestQueue:
 
 
 def test_of_many_transitions_asked_for_at_once_exactly_one_starts():
+    """The interleaving a lost compare-and-set needs is forced: the first transition to get past
+    the check is held there (checked, state not moved yet) until every other thread has asked
+    and had time to get past the check too. Only the lock keeps them out."""
     queue = RequestQueue()
     start = threading.Barrier(16)
     outcomes: list[str] = []
+    asked = threading.Semaphore(0)
+    enqueue_control, move = queue.enqueue_control, queue._set
+    held = threading.Event()
+
+    def asking(control) -> None:
+        asked.release()
+        enqueue_control(control)
+
+    def held_inside(state) -> None:  # the critical section, between the check and the move
+        if not held.is_set():
+            held.set()
+            for _ in range(15):  # every other thread has asked ...
+                assert asked.acquire(timeout=10)
+            time.sleep(0.2)  # ... and, without the lock, got past the check meanwhile
+        move(state)
+
+    queue.enqueue_control, queue._set = asking, held_inside
 
     def ask(index: int) -> None:
         control = Sleep(transition_id=index) if index % 2 else Wakeup(transition_id=index)

@@ -225,24 +225,45 @@ def test_after_shutdown_the_engine_is_unhealthy_and_refuses_work(tiny_model, exe
         llm.generate_async("hi", greedy(2))
 
 
+@pytest.mark.parametrize("pause", ["before-registering", "after-registering"])
 @pytest.mark.parametrize("shape", [InProcessExecutor, ProxyExecutor])
-def test_a_submit_racing_shutdown_is_refused_or_answered(tiny_model, shape):
-    """Defect 4: a submit that registers after shutdown failed the pending requests must not be
-    enqueued and left unanswered."""
+def test_a_submit_racing_shutdown_is_refused_or_answered(tiny_model, shape, pause):
+    """Defect 4: a submit that a shutdown overtakes must not be enqueued and left unanswered.
+    The shutdown runs all the way while the submit is held either before it registers its
+    result (the shutdown's failing of pending results cannot see it: the check after
+    registering must refuse it) or between registering and that check (the shutdown failed
+    it, and the check refuses to send it on to a stopped engine)."""
     executor = shape(EngineConfig(model=str(tiny_model), kv_cache_blocks=16), load_tokenizer(tiny_model))
     entered, go_on = threading.Event(), threading.Event()
-    next_request_id = executor._next_request_id
+    submitter_id: list[int] = []
 
-    def paused_next_request_id() -> int:
-        # Between submit's first check and its registration: shutdown runs all the way here.
+    def hold() -> None:
         entered.set()
         assert go_on.wait(30)
-        return next_request_id()
 
-    executor._next_request_id = paused_next_request_id
+    if pause == "before-registering":
+        next_request_id = executor._next_request_id
+
+        def paused_next_request_id() -> int:  # after submit's first check, before it registers
+            hold()
+            return next_request_id()
+
+        executor._next_request_id = paused_next_request_id
+    else:
+        raise_if_closed, checks = executor._raise_if_closed, []
+
+        def paused_check() -> None:  # its second call in submit: after registering, before sending
+            if threading.get_ident() in submitter_id:
+                checks.append(1)
+                if len(checks) == 2:
+                    hold()
+            raise_if_closed()
+
+        executor._raise_if_closed = paused_check
     outcome: dict = {}
 
     def submit() -> None:
+        submitter_id.append(threading.get_ident())
         try:
             outcome["result"] = executor.submit(GenerationRequest([5, 6], greedy(3), streaming=True))
         except Exception as error:
@@ -255,11 +276,9 @@ def test_a_submit_racing_shutdown_is_refused_or_answered(tiny_model, shape):
     go_on.set()
     submitter.join(30)
     assert not submitter.is_alive()
-    if "result" in outcome:  # if it got in, it is answered
-        with pytest.raises(EngineDeadError):
-            outcome["result"].result(timeout=10)
-    else:
-        assert isinstance(outcome["error"], EngineDeadError)
+    assert set(outcome) == {"error"}, outcome  # refused at once, never sent to a stopped engine
+    assert isinstance(outcome["error"], EngineDeadError), outcome["error"]
+    assert executor.num_pending == 0
 
 
 def test_a_request_longer_than_the_pool_is_rejected_at_once(tiny_model):

@@ -19,7 +19,7 @@ from berth.engine.pyexecutor.memory_budget import (
     plan_kv_cache,
 )
 from berth.engine.pyexecutor.profile_run import activation_peak_bytes, profile_sequence_lengths
-from berth.engine.serve.cli import _bytes
+from berth.engine.serve.arguments import byte_count
 
 MiB, GiB = 1 << 20, 1 << 30
 V1_UNLIMITED = 9223372036854771712
@@ -189,6 +189,6 @@ def test_kv_cache_options_are_checked():
         EngineConfig(model="m", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(model="m", kv_cache_blocks=4, kv_cache_memory=1 << 20)
-    assert [_bytes(text) for text in ("4Gi", "512Mi", "2G", "1000000", "1.5GiB")] == [
+    assert [byte_count(text) for text in ("4Gi", "512Mi", "2G", "1000000", "1.5GiB")] == [
         4 * GiB, 512 * MiB, 2 * 10**9, 10**6, 3 * GiB // 2,
     ]  # fmt: skip

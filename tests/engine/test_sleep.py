@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import shutil
+import threading
 from dataclasses import replace
 
 import pytest
@@ -102,7 +103,9 @@ def test_abort_mode_aborts_at_once(tiny_model):
     responses = engine.iterate()  # the turn that takes it up aborts: no waiting for the 600 s drain
     assert {r.request_id for r in responses if r.finish_reason == "abort"} == {1, 2, 3}
     assert all("mode abort" in r.stop_reason for r in responses if r.finish_reason)
-    assert engine.iterate() == []  # and the next one parks
+    assert engine.iterate() == []  # the next one ends the drain: nothing is left
+    assert not engine.finished_transitions  # memory goes in a turn of its own, after the responses
+    assert engine.iterate() == []  # and the one after it parks
     assert engine.finished_transitions.pop().num_aborted == 3
 
 
@@ -288,3 +291,38 @@ def test_every_state_a_transition_reaches_goes_out_in_the_stats(tiny_model):
     finally:
         engine.request_queue.enqueue_shutdown()
         assert engine.join(30)
+
+
+def test_a_drains_last_responses_go_out_before_memory_is_released(tiny_model):
+    """The release that follows a drain may take seconds (a GPU's weight offload): the drain's
+    last tokens must not wait for it. Here the release blocks until the client has seen its
+    request finish: it never sees that if the responses are held back behind the release."""
+    from berth.engine import LLM
+    from berth.engine.pyexecutor.sleep import ReleaseMemory
+
+    with LLM(tiny_model, executor="in-process", kv_cache_blocks=64, max_batch_size=8) as llm:
+        memory = llm.executor.engine.memory
+        real_apply = memory.apply
+        client_saw_the_end = threading.Event()
+        release_waited: list[bool] = []
+
+        def slow_release(action):
+            if isinstance(action, ReleaseMemory):
+                release_waited.append(client_saw_the_end.wait(10))
+            return real_apply(action)
+
+        memory.apply = slow_release  # instance attribute: this engine's release only
+        result = llm.generate_async(PROMPTS[0], replace(ENDLESS, max_tokens=40), streaming=True)
+        stream = iter(result)
+        next(stream)  # running
+        sleeping = threading.Thread(target=lambda: sleeping.outcome.append(llm.sleep(timeout=30)))
+        sleeping.outcome = []
+        sleeping.start()
+        for output in stream:  # ends when the drain's last response arrives
+            last = output
+        assert last.outputs[0].finish_reason == "length"
+        client_saw_the_end.set()
+        sleeping.join(30)
+        assert release_waited == [True], "the memory release began before the drain's last response went out"
+        assert sleeping.outcome[0].admission == "parked"
+        llm.wake_up()

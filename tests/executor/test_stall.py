@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import time
 
@@ -16,7 +17,9 @@ import pytest
 from berth.engine import LLM, SamplingParams
 from berth.engine.executor import EngineDeadError
 from berth.engine.executor.errors import EngineStalledError
-from tests.support.engine_processes import call_with_timeout, no_world_outlives, wait_until
+from berth.engine.models.tiny_model import make_tiny_model
+from tests.support.engine_processes import call_with_timeout, no_world_outlives, pid_alive, wait_until
+from tests.support.hung_file import HungFile
 
 STALL_TIMEOUT = 3.0
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -73,24 +76,28 @@ def test_a_stopped_worker_is_declared_stalled_and_stays_dead(tiny_model):
         llm.shutdown()
 
 
-def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tiny_model):
+def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tmp_path):
     """Non-streamed requests get nothing until they finish; the engine's heartbeats carry its
-    steps meanwhile, so a batch that runs for many stall timeouts lives."""
-    timeout = 1.0
-    with LLM(tiny_model, executor="proxy", **(ENGINE | {"stall_timeout": timeout})) as llm:
-        many = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-        results = [llm.generate_async([7 + i] * 4, many) for i in range(8)]
+    steps meanwhile, so a batch that runs for many stall timeouts lives. The batch is long
+    enough (3000 steps, seconds on any machine) to need them: nothing answers anyone for longer
+    than the stall timeout, and every check below runs on every machine."""
+    timeout, tokens = 1.0, 3000
+    model = make_tiny_model(tmp_path / "long", max_position_embeddings=tokens + 16)
+    engine = ENGINE | {"stall_timeout": timeout, "kv_cache_blocks": 8 * (tokens + 16) // 16}
+    with LLM(model, executor="proxy", **engine) as llm:
+        many = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        results = [llm.generate_async([7 + i] * 4, many) for i in range(8)]  # one batch, no preemption
         started = time.monotonic()
         steps_seen = {llm.executor.stats.num_steps}
-        while not all(result.finished for result in results) and time.monotonic() - started < 120:
+        while not any(result.finished for result in results) and time.monotonic() - started < 120:
             steps_seen.add(llm.executor.stats.num_steps)
             time.sleep(0.05)
+        unanswered = time.monotonic() - started
         outputs = [call_with_timeout(lambda r=r: r.result(timeout=60), 70) for r in results]
-        took = time.monotonic() - started
         assert llm.check_health(), llm.executor.fatal_error
-    assert all(len(output.outputs[0].token_ids) == 1000 for output in outputs)
-    if took > 3 * timeout:  # the heartbeats were needed: steps were heard before any answer
-        assert len(steps_seen) > 2
+    assert all(len(output.outputs[0].token_ids) == tokens for output in outputs)
+    assert unanswered > timeout, f"answered after {unanswered:.1f} s: too soon to need a heartbeat"
+    assert len(steps_seen) > 2, steps_seen  # the steps were heard while nobody was answered
 
 
 def test_a_stopped_follower_rank_stalls_its_world_and_is_named(tiny_model):
@@ -111,6 +118,37 @@ def test_a_stopped_follower_rank_stalls_its_world_and_is_named(tiny_model):
         assert not llm.check_health()
     finally:
         resume(ranks[1])
+        llm.shutdown()
+    no_world_outlives()
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_a_wakeup_whose_weights_never_open_is_declared_stalled_at_its_deadline(
+    tiny_model, tmp_path, tensor_parallel_size
+):
+    """A level-2 wakeup reloads the weights; opening them never returns (`HungFile`: a hung
+    mount). An engine in a transition has no requests to stall on: the transition's own
+    deadline kills it, names it, and the world (every rank) is killed."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    deadline = 3.0
+    llm = LLM(model, tensor_parallel_size=tensor_parallel_size, transition_timeout=deadline, **ENGINE)
+    ranks = [pid for _, pid, _ in llm.executor.ranks]
+    try:
+        assert llm.sleep(level=2).admission == "parked"
+        with HungFile(model / "model.safetensors"):
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="stalled"):
+                call_with_timeout(llm.wake_up, deadline + 30)
+            took = time.monotonic() - started
+            assert deadline <= took < deadline + 5, took
+            message = str(llm.executor.fatal_error)
+            assert isinstance(llm.executor.fatal_error, EngineStalledError), message
+            assert message.startswith(f"stalled: the wakeup did not complete in {deadline:g} s"), message
+            assert all(f"(pid {pid} " in message for pid in ranks), message
+            assert wait_until(lambda: not any(pid_alive(pid) for pid in ranks), 10), "a rank outlived it"
+            assert not llm.check_health()
+    finally:
         llm.shutdown()
     no_world_outlives()
 
@@ -181,3 +219,22 @@ def test_weights_that_give_no_finite_logits_never_serve(tiny_model, tmp_path):
     save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match="failed its check after loading: the model's logits are not fin"):
         LLM(poisoned, executor="in-process", kv_cache_blocks=64)
+
+
+def test_a_clock_stepped_back_does_not_make_fresh_stats_look_stale(tiny_model, monkeypatch):
+    """Stats are ordered by their sequence number, not the wall clock: with the clock stepped
+    back an hour mid-batch (an NTP correction), the engine's next snapshots are still the latest,
+    its steps are heard and it is not taken for stalled. In one process, so that the engine's
+    clock is the one stepped (the wall clock of this process only: the machine's is left alone)."""
+    with LLM(tiny_model, executor="in-process", **(ENGINE | {"stall_timeout": 1.0})) as llm:
+        many = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        result = llm.generate_async([5, 6, 7], many, streaming=True)
+        stream = iter(result)
+        call_with_timeout(lambda: next(stream), 60)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() - 3600)
+        stepped = llm.executor.stats.num_steps
+        assert wait_until(lambda: llm.executor.stats.num_steps >= stepped + 10, 10), llm.executor.stats
+        output = call_with_timeout(lambda: result.result(timeout=60), 70)
+        assert len(output.outputs[0].token_ids) == 1000
+        assert llm.check_health(), llm.executor.fatal_error

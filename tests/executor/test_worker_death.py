@@ -21,10 +21,10 @@ import zmq
 from safetensors.torch import load_file, save_file
 
 from berth.engine import LLM, EngineConfig, SamplingParams
-from berth.engine.engine_io import Response
+from berth.engine.engine_io import RequestError, Response
 from berth.engine.executor import EngineDeadError, ipc
 from berth.engine.executor.errors import RemoteTraceback, WorkerDiedError
-from berth.engine.executor.messages import StepResults
+from berth.engine.executor.messages import StepResults, namespaced_request_id
 from berth.engine.executor.proxy import ProxyExecutor
 from tests.support.engine_processes import call_with_timeout, pid_alive, wait_until, worker_pids
 
@@ -129,30 +129,65 @@ def test_kill_9_during_a_batch_fails_every_request_fast(tiny_model):
         results[1].result(timeout=0)
 
 
-def test_a_failed_dispatcher_stops_the_worker(tiny_model):
-    """Defect 6: once the proxy cannot route results (here: a signed message it cannot apply, a
-    response for a sequence the request does not have), the engine is dead and its worker, which
-    holds the model, goes too."""
-    llm = LLM(tiny_model, max_batch_size=8)
+def forge_results(executor, message: StepResults) -> None:
+    """`message` on the proxy's result queue, signed with the engine's key, as rank 0 sends."""
     context = zmq.Context()
-    forger = None
+    forger = ipc.open_socket(
+        context, zmq.PUSH, executor._results_socket.address, executor.key, ipc.RESULTS, bind=False
+    )
+    try:
+        forger.send(message)
+    finally:
+        forger.close(linger_ms=5_000)
+        context.term()
+
+
+def test_a_response_its_request_cannot_apply_fails_that_request_alone(tiny_model):
+    """A response the proxy cannot apply to its request (here: for a sequence the request does
+    not have) fails that request alone with an internal error, the engine aborts it, and the
+    other requests and the engine go on."""
+    llm = LLM(tiny_model, max_batch_size=8)
+    longest = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    try:
+        running = llm.generate_async("hello", longest, streaming=True)
+        neighbour = llm.generate_async("world", LONG, streaming=True)
+        call_with_timeout(lambda: next(iter(running)), 30)
+        worker = llm.executor.engine_pid
+        forge_results(llm.executor, StepResults([Response(running.request_id, 99, [5])], llm.executor.stats))
+        with pytest.raises(RequestError, match="postprocess") as failed:
+            call_with_timeout(lambda: running.result(timeout=10), 12)
+        assert failed.value.code == "internal" and failed.value.stage == "postprocess"
+        output = call_with_timeout(lambda: neighbour.result(timeout=30), 32)
+        assert output.outputs[0].finish_reason == "length"
+        assert len(output.outputs[0].token_ids) == LONG.max_tokens
+        assert llm.check_health() and pid_alive(worker)
+        # The engine was told to stop the failed request: it ran a few of its 1000 tokens at most.
+        assert wait_until(lambda: llm.executor.stats.num_running == 0, timeout=10), llm.executor.stats
+        assert llm.executor.stats.num_computed_tokens < LONG.max_tokens + 300, llm.executor.stats
+    finally:
+        call_with_timeout(llm.shutdown, 10)
+
+
+def test_a_failed_dispatcher_stops_the_worker(tiny_model):
+    """Once the proxy cannot route results at all (here: the hook that hands other frontends'
+    responses on raises), the engine is dead and its worker, which holds the model, goes too."""
+    llm = LLM(tiny_model, max_batch_size=8)
     try:
         running = llm.generate_async("hello", LONG, streaming=True)
         call_with_timeout(lambda: next(iter(running)), 30)
         worker = llm.executor.engine_pid
-        executor = llm.executor
-        forger = ipc.open_socket(
-            context, zmq.PUSH, executor._results_socket.address, executor.key, ipc.RESULTS, bind=False
-        )
-        forger.send(StepResults([Response(running.request_id, 99, [5])], executor.stats))
-        with pytest.raises(EngineDeadError, match="list index out of range"):
+
+        def broken_sink(responses, stats) -> None:
+            raise RuntimeError("the foreign sink is broken")
+
+        llm.executor.foreign_sink = broken_sink
+        frontend_request = namespaced_request_id(3, 1)  # another frontend's: it goes to the sink
+        forge_results(llm.executor, StepResults([Response(frontend_request, 0, [5])], llm.executor.stats))
+        with pytest.raises(EngineDeadError, match="the foreign sink is broken"):
             call_with_timeout(lambda: running.result(timeout=10), 12)
         assert not llm.check_health()
         assert wait_until(lambda: not pid_alive(worker), timeout=10), "the worker outlived its dispatcher"
     finally:
-        if forger is not None:
-            forger.close()
-        context.term()
         call_with_timeout(llm.shutdown, 10)
 
 

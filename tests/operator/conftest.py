@@ -3,21 +3,18 @@ controllers), a real `berth serve` on 127.0.0.1 for each launcher pod, the opera
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # `tests.support` (tests/ is not a package)
+from tests.support import e2e
+from tests.support.cluster import Cluster, ClusterSim, running_cluster
+from tests.support.engine_endpoint import EngineFleet
+from tests.support.image import Image, build_image
+from tests.support.kubelet import Kubelet
 
-from tests.support import e2e  # noqa: E402
-from tests.support.cluster import Cluster, ClusterSim, running_cluster  # noqa: E402
-from tests.support.engine_endpoint import EngineFleet  # noqa: E402
-from tests.support.image import Image, build_image  # noqa: E402
-from tests.support.kubelet import Kubelet  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 EXAMPLES = REPO / "manifests" / "examples"
 

@@ -6,6 +6,7 @@ nothing else), and frontends outlive the engine's worlds. Real processes, real k
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from berth.engine import LLM, SamplingParams
 from berth.engine.executor import EngineDeadError, ipc
 from berth.engine.executor.attach import AttachEndpoint
 from berth.engine.executor.messages import ATTACH_PROTOCOL, AttachHello
+from berth.engine.models.tiny_model import make_tiny_model
 from berth.operator import render
 from tests.serve.server_process import ADMIN_TOKEN, ENGINE_ARGS, ENGINE_OPTIONS, MODEL_NAME, ServerProcess
 from tests.support.engine_processes import call_with_timeout, wait_until
@@ -326,15 +328,17 @@ def test_frontends_outlive_their_world_and_attach_to_the_next(tiny_model):
             assert health.status_code == 503 and "killed by signal 9" in health.json()["error"], health.text
         # The operator restarts the world whole: a new owner at the same address.
         owner.stop()
-        owner = start_owner(tiny_model, "--attach-port", port)
+        # (A drain short enough that the frontend's long stream below outlasts it.)
+        owner = start_owner(tiny_model, "--attach-port", port, "--shutdown-timeout", "0.5")
         servers.append(owner)
         for frontend in frontends:
             assert wait_until(lambda f=frontend: serving(f), 30, interval=0.2), frontend.output
             assert frontend.admin_state()["engine_pid"] == owner.engine_pid  # the new engine's
         assert [frontend.pid for frontend in frontends] == pids
         assert all(frontend.process.poll() is None for frontend in frontends)  # never restarted
-        # An owner that stops cleanly answers the frontends' requests first (aborted), then
-        # tells them: they are unavailable again, and wait for the next world.
+        # An owner that stops cleanly drains the frontends' requests with its own; what its
+        # drain timeout leaves is aborted and answered; then it tells them: they are unavailable
+        # again, and wait for the next world.
         stream_running = in_background(
             [(frontends[0], completion(prompt="late", max_tokens=LONG, ignore_eos=True))]
         )
@@ -377,3 +381,129 @@ def test_a_weight_swap_to_another_tokenizer_sends_the_frontends_to_attach_again(
         finally:
             call_with_timeout(frontend.shutdown, 15)
             endpoint.close()
+
+
+DRAIN_TOKENS = 200  # long enough that the streams still run while the test checks admission
+
+
+def test_sigterm_on_the_owner_drains_every_frontends_streams_then_exits_0(tiny_model):
+    """SIGTERM to the owner stops admission for every frontend at once (503 + Retry-After, not
+    ready), lets the 16 streams the two frontends have in flight finish, and only then shuts the
+    engine down and exits 0."""
+    owner = start_owner(tiny_model, "--attach-port", "0", "--kv-blocks", "1024", "--shutdown-timeout", "120")
+    frontends: list[ServerProcess] = []
+    try:
+        frontends = start_frontends(owner.attach_address, 2)
+        bodies = [
+            completion(prompt=f"Drain {i}: {WORDS[i % len(WORDS)]}", max_tokens=DRAIN_TOKENS, ignore_eos=True)
+            for i in range(16)
+        ]
+        streaming = in_background([(frontends[i % 2], body) for i, body in enumerate(bodies)])
+        assert wait_until(lambda: running(owner) == 16, 60), owner.admin_state()
+        owner.terminate()
+        for frontend in frontends:
+            assert wait_until(lambda f=frontend: f.get("/ready").status_code == 503, 5), frontend.get(
+                "/ready"
+            )
+            assert frontend.get("/ready").json()["admission"] == "shutdown"
+            refused = frontend.post("/v1/completions", completion(prompt="too late", max_tokens=2))
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "admission_closed", refused.text
+            assert int(refused.headers["Retry-After"]) > 0
+        assert owner.post("/v1/completions", completion(prompt="too late", max_tokens=2)).status_code == 503
+        assert running(owner) > 0, "the streams ended before admission was checked: make them longer"
+        streaming.join(120)
+        assert not streaming.is_alive()
+        for outcome in streaming.outcome:
+            assert not isinstance(outcome, BaseException), outcome
+            assert outcome["finish_reason"] == "length" and outcome["tokens"] == DRAIN_TOKENS, outcome
+        assert owner.wait(30) == 0, owner.output
+    finally:
+        for server in (*frontends, owner):
+            server.stop()
+
+
+def reversed_vocabulary(model: Path, seed: int, target: Path) -> Path:
+    """Another revision of `model`'s architecture: other weights, and a tokenizer that maps
+    every ordinary token to another id (the order of the vocabulary reversed; special tokens
+    keep theirs). Text tokenized with one revision's tokenizer reads as other words to the other."""
+    make_tiny_model(target, seed=seed)
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    specials = {token["id"] for token in tokenizer["added_tokens"]}
+    vocab = tokenizer["model"]["vocab"]
+    ordinary = sorted(i for i in vocab.values() if i not in specials)
+    mapping = dict(zip(ordinary, reversed(ordinary)))
+    tokenizer["model"]["vocab"] = {token: mapping.get(i, i) for token, i in vocab.items()}
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return target
+
+
+SWAP_PROMPTS = ("rivers and stars", "bread in the rain", "owls over glass", "maps of engines")
+
+
+def test_a_wakeup_with_another_tokenizer_never_serves_a_request_with_the_wrong_one(tiny_model, tmp_path):
+    """Requests fired at the owner and a frontend all through wakeups that swap in a revision
+    with another vocabulary (and back, and again): every answer is the revision's own (its
+    tokenizer in, its weights, its tokenizer out); none is tokenized or detokenized with the
+    other revision's tokenizer, whose ids read as other words."""
+    revision = reversed_vocabulary(tiny_model, 7, tmp_path / "revision")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    texts = {}
+    for model in (tiny_model, revision):
+        with LLM(model, executor="in-process", **ENGINE_OPTIONS) as reference:
+            outputs = reference.generate(list(SWAP_PROMPTS), params)
+        texts[model] = {p: output.outputs[0].text for p, output in zip(SWAP_PROMPTS, outputs)}
+    assert all(texts[revision][p] != texts[tiny_model][p] for p in SWAP_PROMPTS)  # they tell apart
+    owner = start_owner(tiny_model, "--attach-port", "0")
+    frontends: list[ServerProcess] = []
+    try:
+        frontends = start_frontends(owner.attach_address, 1)
+        servers = (owner, *frontends)
+        for model in (revision, tiny_model, revision):
+            assert admin(owner, "/admin/sleep", {"level": 2}).status_code == 200
+            answers = fire_through(
+                servers, 6, lambda m=model: admin(owner, "/admin/wakeup", {"model": str(m)})
+            )
+            for url, prompt, status, text in answers:
+                assert status in (200, 503), (url, prompt, status)
+                if status == 200:
+                    assert text == texts[model][prompt], (url, prompt, text, texts[model][prompt])
+    finally:
+        for server in (*frontends, owner):
+            server.stop()
+
+
+def fire_through(servers, threads_each: int, wake) -> list[tuple[str, str, int, str | None]]:
+    """Completions fired at every server by `threads_each` threads each while `wake()` runs, and
+    until each server has answered 20 of them since; every answer, as (url, prompt, status, text)."""
+    answers: list[tuple[str, str, int, str | None]] = []
+    stop = threading.Event()
+
+    def fire(server: ServerProcess, offset: int) -> None:
+        with httpx.Client(timeout=30) as client:
+            for i in itertools.count(offset):
+                if stop.is_set():
+                    return
+                prompt = SWAP_PROMPTS[i % len(SWAP_PROMPTS)]
+                body = completion(prompt=prompt, max_tokens=6, ignore_eos=True)
+                response = client.post(f"{server.url}/v1/completions", json=body)
+                text = response.json()["choices"][0]["text"] if response.status_code == 200 else None
+                answers.append((server.url, prompt, response.status_code, text))
+
+    firing = [
+        threading.Thread(target=fire, args=(server, i), daemon=True)
+        for server in servers
+        for i in range(threads_each)
+    ]
+    for thread in firing:
+        thread.start()
+    try:
+        woken = wake()
+        assert woken.status_code == 200, woken.text
+        served = lambda url: sum(1 for a in answers if a[0] == url and a[2] == 200)  # noqa: E731
+        assert wait_until(lambda: all(served(s.url) >= 20 for s in servers), 60), answers[-5:]
+    finally:
+        stop.set()
+        for thread in firing:
+            thread.join(30)
+    return answers

@@ -122,7 +122,7 @@ def test_enforce_eager_is_an_engine_option():
     engine options do; left out, the engine's default stands."""
     from berth.cli import command_parser
     from berth.engine.config import EngineConfig
-    from berth.engine.serve.cli import ENGINE_OPTIONS
+    from berth.engine.serve.arguments import ENGINE_OPTIONS
 
     _, parser = command_parser("serve")
     for argv, expected in ((["m", "--enforce-eager"], True), (["m"], False)):

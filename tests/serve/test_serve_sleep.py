@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from berth.engine.models.tiny_model import make_tiny_model
 from tests.serve.server_process import ADMIN_TOKEN, ServerProcess
 from tests.serve.test_serve_lifecycle import Stream
-from tests.support.engine_processes import wait_until
+from tests.support.engine_processes import pid_alive, wait_until
+from tests.support.hung_file import HungFile
 
 STREAMS = 32
 SLEEP_ARGS = ("--max-batch-size", str(STREAMS), "--kv-blocks", "1024", "--kv-block-size", "16")
@@ -336,5 +337,37 @@ def test_a_wakeup_that_cannot_restore_the_engine_leaves_it_dead_and_health_says_
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
         server.terminate()
         assert server.wait(30) == 0, server.output  # a dead world never hangs the exit
+    finally:
+        server.stop()
+
+
+def test_a_wakeup_whose_weight_read_hangs_is_declared_stalled_within_its_deadline(tiny_model, tmp_path):
+    """A level-2 wakeup reads its weights from the model directory; here opening them never
+    returns (a file held by a lease nobody gives up: `HungFile`, what a hung network mount does).
+    Past --transition-timeout the engine is dead with reason "stalled" naming the wakeup, its world
+    is killed, and the server says so for as long as it lives (the operator restarts dead worlds)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    deadline = 3.0
+    server = ServerProcess(model, *SLEEP_ARGS, "--transition-timeout", str(deadline))
+    try:
+        worker = server.engine_pid
+        assert admin(server, "/admin/sleep", {"level": 2}).status_code == 200
+        with HungFile(model / "model.safetensors"):
+            started = time.monotonic()
+            response = admin(server, "/admin/wakeup", timeout=deadline + 30)
+            took = time.monotonic() - started
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead", (
+            response.text
+        )
+        assert deadline <= took < deadline + 5, took
+        health = server.get("/health")
+        assert health.status_code == 503 and health.json()["reason"] == "stalled", health.text
+        error = health.json()["error"]
+        assert f"the wakeup did not complete in {deadline:g} s" in error and "rank 0" in error, error
+        assert wait_until(lambda: not pid_alive(worker), 10), "the stalled world was left running"
+        assert server.admin_state()["admission"] == "failed"
+        server.terminate()
+        assert server.wait(30) == 0, server.output
     finally:
         server.stop()

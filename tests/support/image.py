@@ -53,6 +53,21 @@ class Image:
         """The image's ENV: its Python environment (with berth and mpich's mpirun) first on PATH."""
         return {"PATH": f"{Path(sys.executable).parent}:{SYSTEM_PATH}", "LANG": "C.UTF-8"}
 
+    @property
+    def under_machine_tmp(self) -> list[str]:
+        """What pods run from this machine that lies under its /tmp: the test's Python (venv and
+        interpreter) and berth's source tree (an editable install). A container's /tmp is its own,
+        empty: the kubelet binds these back in at the same paths, so a checkout cloned into /tmp
+        serves its pods as one anywhere else does."""
+        import berth
+
+        tmp = Path("/tmp")
+        needed = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent.parent}
+        needed.add(Path(berth.__file__).resolve().parent.parent)
+        under = sorted(path.resolve() for path in needed if tmp in path.resolve().parents)
+        # Only the outermost: a venv inside the checkout comes with it.
+        return [str(p) for p in under if not any(other in p.parents for other in under)]
+
     def layers(self) -> dict[str, Path]:
         """machine directory -> the layer's directory laid over it."""
         return {target: self.root / target.lstrip("/") for target in self.layered}

@@ -632,6 +632,8 @@ class Kubelet:
                 {"type": "tmpfs", "target": "/dev/shm", "options": f"mode=1777,size={DEFAULT_SHM_BYTES}"}
             )
         mounts.append({"type": "tmpfs", "target": "/tmp", "options": "mode=1777"})
+        for path in self.image.under_machine_tmp:  # the checkout and venv, if they lie under /tmp
+            mounts.append({"type": "bind", "source": path, "target": path, "readonly": True})
         uid = next((int(a.split("=")[1]) for a in security if a.startswith("--reuid=")), 0)
         env.setdefault("HOME", self.image.home_of(uid))
         env.setdefault("HOSTNAME", runtime.hostname)

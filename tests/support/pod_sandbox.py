@@ -71,6 +71,14 @@ def enter_namespaces(netns: str) -> None:
 
 
 def lay_files(plan: dict) -> None:
+    # Every bind's source is the machine's, whatever the plan mounts first: a source under /tmp
+    # (a checkout cloned there) is hidden once the container's own /tmp is mounted over it. So
+    # each is opened now and bound through its descriptor.
+    sources = {
+        spec["source"]: os.open(spec["source"], os.O_PATH | os.O_CLOEXEC)
+        for spec in plan["mounts"]
+        if spec["type"] == "bind"
+    }
     for layer in plan["overlays"]:
         lower = ":".join([*layer["lower"], layer["target"]])
         options = f"lowerdir={lower},upperdir={layer['upper']},workdir={layer['work']}"
@@ -81,7 +89,7 @@ def lay_files(plan: dict) -> None:
             os.makedirs(target, exist_ok=True)
             mount("tmpfs", target, "tmpfs", 0, spec.get("options") or "mode=1777")
             continue
-        source = spec["source"]
+        source = f"/proc/self/fd/{sources[spec['source']]}"
         if os.path.isdir(source):
             os.makedirs(target, exist_ok=True)
         elif not os.path.exists(target):
@@ -90,6 +98,8 @@ def lay_files(plan: dict) -> None:
         mount(source, target, None, MS_BIND | MS_REC)
         if spec.get("readonly"):
             mount(source, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+    for descriptor in sources.values():
+        os.close(descriptor)
 
 
 def main() -> None:

@@ -1,0 +1,157 @@
+"""One request's postprocessing error fails that request alone, in every process shape.
+
+The fault is real: a tokenizer whose decoder raises on one token id (a test double of Hugging
+Face `tokenizers`' `DecodeStream`, `tests/support/poisoned_tokenizers`), in whichever process
+detokenizes: the server's (in-process engine, proxy), a postprocess worker's, or an attached
+frontend's. While 16 other requests stream, the request that meets it gets a 500
+`internal_error`; the 16 finish, the engine aborts the failed one and goes on (`/health` 200).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+from pathlib import Path
+
+import httpx
+import pytest
+
+from berth.engine import SamplingParams
+from tests.serve.server_process import ADMIN_TOKEN, ENGINE_ARGS, MODEL_NAME, ServerProcess
+
+POISON_FOLDER = Path(__file__).resolve().parent.parent / "support" / "poisoned_tokenizers"
+KEY = secrets.token_hex(32)
+MAX_MODEL_LEN = 1024
+TARGET_MAX_TOKENS = 900  # the failed request would run this long if the engine were not told
+OTHERS = 16
+OTHER_MAX_TOKENS = 24
+CANDIDATE_PROMPTS = ("The river bends", "Owls at night", "Bread and glass", "Maps of the stars")
+SHAPES = {
+    "in-process": ("--executor", "in-process"),
+    "proxy": (),
+    "postprocess-workers": ("--num-postprocess-workers", "2"),
+    "attached-frontend": None,  # an owner (proxy) and a frontend that detokenizes for itself
+}
+
+
+def poisoned_prompt(reference) -> tuple[str, int]:
+    """A prompt and its first greedy token, chosen with a clear lead over the runner-up: batched
+    with 16 others, the server's engine picks the same first token."""
+    best = None
+    for prompt in CANDIDATE_PROMPTS:
+        output = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=2))
+        sequence = output[0].outputs[0]
+        token = sequence.token_ids[0]
+        ranked = sorted(sequence.logprobs[0].values(), key=lambda entry: -entry.logprob)
+        lead = ranked[0].logprob - ranked[1].logprob
+        if best is None or lead > best[2]:
+            best = (prompt, token, lead)
+    assert best[2] > 0.01, f"no candidate prompt has a clear first token: {best}"
+    return best[0], best[1]
+
+
+def start_shape(model: Path, shape: str, poison: int) -> list[ServerProcess]:
+    """The servers of `shape`; the last one is the one clients talk to."""
+    poison_env = {"PYTHONPATH": str(POISON_FOLDER), "BERTH_TEST_POISON_TOKEN": str(poison)}
+    env = {"BERTH_ENGINE_KEY": KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN}
+    common = (*ENGINE_ARGS, "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN))
+    if SHAPES[shape] is not None:
+        return [
+            ServerProcess(model, *common, *SHAPES[shape], env={**env, **poison_env}, admin_token=ADMIN_TOKEN)
+        ]
+    owner = ServerProcess(model, *common, "--attach-port", "0", env=env, admin_token=ADMIN_TOKEN)
+    try:
+        frontend = ServerProcess(
+            None,
+            "--attach",
+            owner.attach_address,
+            env={**env, **poison_env},
+            admin_token=ADMIN_TOKEN,
+        )
+    except BaseException:
+        owner.stop()
+        raise
+    return [owner, frontend]
+
+
+async def stream(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    finish = None
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            return {"status": response.status_code, "body": json.loads(await response.aread())}
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    return {"status": 200, "error": chunk["error"]}
+                finish = chunk["choices"][0]["finish_reason"] or finish
+    return {"status": 200, "finish_reason": finish}
+
+
+def run_requests(url: str, target: dict, others: list[dict]) -> tuple[httpx.Response, list[dict]]:
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            streamed = [stream(client, url, body) for body in others]
+            failed = client.post(f"{url}/v1/completions", json=target)  # not streamed: one status
+            results = await asyncio.gather(failed, *streamed)
+            return results[0], list(results[1:])
+
+    return asyncio.run(main())
+
+
+def request_errors(server: ServerProcess, stage: str) -> float:
+    metrics = server.get("/metrics").text
+    found = re.search(rf'^berth:request_errors_total\{{[^}}]*stage="{stage}"[^}}]*\}} (\S+)$', metrics, re.M)
+    assert found, metrics
+    return float(found[1])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_postprocessing_error_fails_its_request_alone(tiny_model: Path, reference, shape: str):
+    prompt, poison = poisoned_prompt(reference)
+    servers = start_shape(tiny_model, shape, poison)
+    serving = servers[-1]
+    try:
+        engine = servers[0]  # the process that owns the engine
+        before = engine.admin_state()["num_computed_tokens"]
+        target = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "temperature": 0,
+            "max_tokens": TARGET_MAX_TOKENS,
+            "ignore_eos": True,
+            "skip_special_tokens": False,  # the poisoned stream: this request alone meets the fault
+        }
+        others = [
+            {
+                "model": MODEL_NAME,
+                "prompt": f"Stream {i} tells of {prompt.lower()}",
+                "temperature": 0,
+                "max_tokens": OTHER_MAX_TOKENS,
+                "ignore_eos": True,
+            }
+            for i in range(OTHERS)
+        ]
+        failed, streamed = run_requests(serving.url, target, others)
+
+        assert failed.status_code == 500, failed.text
+        error = failed.json()["error"]
+        assert error["code"] == "internal_error" and error["type"] == "server_error", error
+        assert "postprocess" in error["message"]
+        assert streamed == [{"status": 200, "finish_reason": "length"}] * OTHERS
+        for server in servers:
+            assert server.get("/health").json() == {"status": "ok"}
+        assert request_errors(serving, "postprocess") == 1
+        assert "Invalid prefix encountered" in serving.output and "Traceback" in serving.output
+        # The engine was told: it is idle, and ran a few of the failed request's 900 tokens at most.
+        assert engine.wait_idle(timeout=10), engine.admin_state()
+        prompts = sum(len(reference.tokenizer(body["prompt"])["input_ids"]) for body in [target, *others])
+        work = prompts + OTHERS * OTHER_MAX_TOKENS
+        assert engine.admin_state()["num_computed_tokens"] - before < work + 100
+        again = serving.post("/v1/completions", {**others[0], "max_tokens": 4})
+        assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        for server in reversed(servers):
+            server.stop()
