@@ -18,13 +18,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from berth.engine import SamplingParams
-from tests.serve.server_process import ADMIN_TOKEN, ENGINE_ARGS, MODEL_NAME, ServerProcess
+from berth.engine import LLM, SamplingParams
+from berth.engine.models.tiny_model import make_tiny_model
+from tests.serve.server_process import ADMIN_TOKEN, ENGINE_ARGS, ENGINE_OPTIONS, MODEL_NAME, ServerProcess
 
 POISON_FOLDER = Path(__file__).resolve().parent.parent / "support" / "poisoned_tokenizers"
 KEY = secrets.token_hex(32)
-MAX_MODEL_LEN = 1024
-TARGET_MAX_TOKENS = 900  # the failed request would run this long if the engine were not told
+MAX_MODEL_LEN = 8192
+# The failed request would run this long if the engine were not told: far more than the few
+# hundred steps an abort can take to come back through three processes on a loaded machine.
+TARGET_MAX_TOKENS = 8000
+KV_BLOCKS = 1024  # the target and the 16 others at once, no preemption
 OTHERS = 16
 OTHER_MAX_TOKENS = 24
 CANDIDATE_PROMPTS = ("The river bends", "Owls at night", "Bread and glass", "Maps of the stars")
@@ -36,27 +40,33 @@ SHAPES = {
 }
 
 
-def poisoned_prompt(reference) -> tuple[str, int]:
-    """A prompt and its first greedy token, chosen with a clear lead over the runner-up: batched
-    with 16 others, the server's engine picks the same first token."""
-    best = None
-    for prompt in CANDIDATE_PROMPTS:
-        output = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=2))
-        sequence = output[0].outputs[0]
-        token = sequence.token_ids[0]
-        ranked = sorted(sequence.logprobs[0].values(), key=lambda entry: -entry.logprob)
-        lead = ranked[0].logprob - ranked[1].logprob
-        if best is None or lead > best[2]:
-            best = (prompt, token, lead)
-    assert best[2] > 0.01, f"no candidate prompt has a clear first token: {best}"
-    return best[0], best[1]
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("long-tiny"), max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def poisoned(long_model: Path) -> tuple[str, int, LLM]:
+    """A prompt and its first greedy token, chosen with a clear lead over the runner-up (batched
+    with 16 others, the server's engine picks the same first token), and the engine that said so."""
+    with LLM(long_model, executor="in-process", **ENGINE_OPTIONS) as reference:
+        best = None
+        for prompt in CANDIDATE_PROMPTS:
+            output = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=2))
+            sequence = output[0].outputs[0]
+            ranked = sorted(sequence.logprobs[0].values(), key=lambda entry: -entry.logprob)
+            lead = ranked[0].logprob - ranked[1].logprob
+            if best is None or lead > best[2]:
+                best = (prompt, sequence.token_ids[0], lead)
+        assert best[2] > 0.01, f"no candidate prompt has a clear first token: {best}"
+        yield best[0], best[1], reference
 
 
 def start_shape(model: Path, shape: str, poison: int) -> list[ServerProcess]:
     """The servers of `shape`; the last one is the one clients talk to."""
     poison_env = {"PYTHONPATH": str(POISON_FOLDER), "BERTH_TEST_POISON_TOKEN": str(poison)}
     env = {"BERTH_ENGINE_KEY": KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN}
-    common = (*ENGINE_ARGS, "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN))
+    common = (*ENGINE_ARGS, "--kv-blocks", str(KV_BLOCKS), "--served-model-name", MODEL_NAME)
     if SHAPES[shape] is not None:
         return [
             ServerProcess(model, *common, *SHAPES[shape], env={**env, **poison_env}, admin_token=ADMIN_TOKEN)
@@ -109,9 +119,9 @@ def request_errors(server: ServerProcess, stage: str) -> float:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_postprocessing_error_fails_its_request_alone(tiny_model: Path, reference, shape: str):
-    prompt, poison = poisoned_prompt(reference)
-    servers = start_shape(tiny_model, shape, poison)
+def test_a_postprocessing_error_fails_its_request_alone(long_model: Path, poisoned, shape: str):
+    prompt, poison, reference = poisoned
+    servers = start_shape(long_model, shape, poison)
     serving = servers[-1]
     try:
         engine = servers[0]  # the process that owns the engine
@@ -145,11 +155,12 @@ def test_a_postprocessing_error_fails_its_request_alone(tiny_model: Path, refere
             assert server.get("/health").json() == {"status": "ok"}
         assert request_errors(serving, "postprocess") == 1
         assert "Invalid prefix encountered" in serving.output and "Traceback" in serving.output
-        # The engine was told: it is idle, and ran a few of the failed request's 900 tokens at most.
-        assert engine.wait_idle(timeout=10), engine.admin_state()
+        # The engine was told: it is idle, and ran few of the failed request's 8000 tokens.
+        assert engine.wait_idle(timeout=30), engine.admin_state()
         prompts = sum(len(reference.tokenizer(body["prompt"])["input_ids"]) for body in [target, *others])
         work = prompts + OTHERS * OTHER_MAX_TOKENS
-        assert engine.admin_state()["num_computed_tokens"] - before < work + 100
+        computed = engine.admin_state()["num_computed_tokens"] - before
+        assert computed < work + TARGET_MAX_TOKENS // 4, computed
         again = serving.post("/v1/completions", {**others[0], "max_tokens": 4})
         assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
     finally:
