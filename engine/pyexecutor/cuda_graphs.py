@@ -29,7 +29,6 @@ import logging
 import time
 from bisect import bisect_left
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -50,9 +49,8 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return [*sizes, max_batch_size]
 
 
-@dataclass
-class _Captured:
-    replay: Callable[[], torch.Tensor]  # runs the step; returns the logits of every (padded) row
+# A captured step: runs it, returns the logits of every (padded) row.
+Replay = Callable[[], torch.Tensor]
 
 
 class DecodeGraphs:
@@ -78,7 +76,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self._max_blocks = -(-max_model_len // block_size)
         self._emulate = emulate
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[int, Replay] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.num_replays = 0
@@ -164,11 +162,11 @@ class DecodeGraphs:
             b["logits_indices"][:size],
         )
 
-    def _capture_one(self, size: int, pool) -> tuple[_Captured, object]:
+    def _capture_one(self, size: int, pool) -> tuple[Replay, object]:
         # Every row is padding while capturing: nothing is written to the KV cache.
         arguments = self._step_arguments(size)
         if self._emulate:
-            return _Captured(lambda: self._forward(*self._step_arguments(size))), pool
+            return (lambda: self._forward(*self._step_arguments(size))), pool
         # A first run on a side stream compiles the kernels and creates the library handles,
         # which must not happen inside a capture.
         stream = torch.cuda.Stream(self.device)
@@ -186,7 +184,7 @@ class DecodeGraphs:
             graph.replay()
             return logits
 
-        return _Captured(replay), graph.pool()
+        return replay, graph.pool()
 
     # ---- replay ----------------------------------------------------------------------------------
 
@@ -204,6 +202,6 @@ class DecodeGraphs:
         # The rows a larger step left behind become padding again.
         b["slot_mapping"][num_seqs:size].fill_(PADDING_SLOT)
         b["seq_lens"][num_seqs:size].fill_(0)
-        logits = self._graphs[size].replay()
+        logits = self._graphs[size]()
         self.num_replays += 1
         return logits.index_select(0, inputs.logits_indices.to(self.device, non_blocking=True))

@@ -19,6 +19,7 @@ from berth.kernels.gpu_check import (
     AttentionCase,
     benchmark_attention,
     check_kernels,
+    cuda_timer,
 )
 
 # The tiny test model's attention (`berth make-tiny-model`'s defaults): head dim 16, 4 / 2 heads.
@@ -60,7 +61,7 @@ def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
 
     bandwidth = copy_bandwidth(device, 64 << 20 if dry_run else 4 << 30)
     result.metrics["copy_bandwidth_bytes_per_s"] = bandwidth
-    timer = (lambda fn: median_ms(fn, device, warmup=1, repeat=2)) if dry_run else _cuda_timer
+    timer = (lambda fn: median_ms(fn, device, warmup=1, repeat=2)) if dry_run else cuda_timer
     rows = benchmark_attention(device, DRY_RUN_CASES if dry_run else BENCH_CASES, timer, torch.bfloat16)
     result.metrics["attention_bf16"] = [row.__dict__ for row in rows]
     for row, case in zip(rows, DRY_RUN_CASES if dry_run else BENCH_CASES):
@@ -80,12 +81,6 @@ def check(result: CheckResult, dry_run: bool, workdir: Path) -> None:
             "matches the reference",
             row.matches,
         )
-
-
-def _cuda_timer(fn) -> float:
-    from berth.kernels.gpu_check import cuda_timer
-
-    return cuda_timer(fn)
 
 
 def main(argv: list[str] | None = None) -> int:
