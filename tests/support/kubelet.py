@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -69,6 +70,10 @@ from tests.support.pod_state import (
 )
 
 SANDBOX = Path(__file__).with_name("pod_sandbox.py")
+# Machine-wide: every running kubelet holds MACHINE_LOCK shared; MOUNT_POINTS_MADE lists the
+# top-level directories kubelets created for mount points, removed by the last one to stop.
+MACHINE_LOCK = Path("/run/berth-test-kubelet.lock")
+MOUNT_POINTS_MADE = Path("/run/berth-test-kubelet-mount-points")
 NODE_NAME = "berth-test-node"
 # The real kubelet's numbers.
 DEFAULT_GRACE_SECONDS = 30
@@ -101,7 +106,7 @@ class Kubelet:
         self._services: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._prober: Prober | None = None
-        self.created_mount_points: list[str] = []  # top-level directories made for mount points
+        self._machine_share: int | None = None  # a shared lock on MACHINE_LOCK while running
 
     # --- life cycle ------------------------------------------------------------------------
 
@@ -115,6 +120,8 @@ class Kubelet:
             await asyncio.to_thread(self.stop)
 
     def start(self) -> None:
+        self._machine_share = os.open(MACHINE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._machine_share, fcntl.LOCK_SH)
         self.network = pod_network.PodNetwork.create()
         self.root.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._thread_main, name="test-kubelet", daemon=True)
@@ -133,12 +140,33 @@ class Kubelet:
                 release(container)
         if self.network is not None:
             self.network.close()
-        for directory in self.created_mount_points:
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)  # only if still empty: never anyone else's files
+        self._remove_mount_points_if_last()
         shutil.rmtree(self.root, ignore_errors=True)
         if self._error is not None:
             raise RuntimeError("the test kubelet crashed") from self._error
+
+    def _remove_mount_points_if_last(self) -> None:
+        """Remove the top-level mount points kubelets made, once no kubelet on the machine runs.
+
+        Another suite's kubelet may run beside this one (two checkouts), and its pods may mount
+        a directory this one created: the last kubelet to stop removes them, not the first.
+        """
+        if self._machine_share is None:
+            return
+        share, self._machine_share = self._machine_share, None
+        try:
+            fcntl.flock(share, fcntl.LOCK_EX | fcntl.LOCK_NB)  # only if no other kubelet holds it
+        except BlockingIOError:
+            os.close(share)
+            return
+        try:
+            made = MOUNT_POINTS_MADE.read_text().split() if MOUNT_POINTS_MADE.exists() else []
+            for directory in made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)  # only if still empty: never anyone else's files
+            MOUNT_POINTS_MADE.unlink(missing_ok=True)
+        finally:
+            os.close(share)
 
     def _thread_main(self) -> None:
         try:
@@ -659,8 +687,10 @@ class Kubelet:
         top = "/" + target.strip("/").split("/")[0]
         with self._lock:
             if not os.path.exists(top):
-                os.mkdir(top, 0o755)
-                self.created_mount_points.append(top)
+                with contextlib.suppress(FileExistsError):  # another suite's kubelet, just now
+                    os.mkdir(top, 0o755)
+                with MOUNT_POINTS_MADE.open("a") as made:
+                    made.write(top + "\n")
         if target == top or any(layer["target"] == top for layer in overlays):
             return
         upper, work = instance / "upper" / top.strip("/"), instance / "work" / top.strip("/")
