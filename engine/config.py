@@ -72,6 +72,11 @@ class EngineConfig:
     # On a GPU, pure decode steps replay CUDA graphs captured at start (`cuda_graphs`); True runs
     # every step eagerly (for debugging, or to compare). Off on a CPU whatever this says.
     enforce_eager: bool = False
+    # The enqueue window (`pyexecutor/enqueue_window.py`, off at 0): new requests may wait up to
+    # this long for others, to start as one batch; with a ratio in (0, 1], the window also
+    # closes once the next step would carry that share of `max_num_tokens`.
+    batch_wait_timeout_ms: float = 0.0
+    batch_wait_max_tokens_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "tensor_parallel_size"):
@@ -105,6 +110,19 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        timeout, ratio = self.batch_wait_timeout_ms, self.batch_wait_max_tokens_ratio
+        # At most a second: the loop, blocked in the window, must still speak every heartbeat.
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 1000:
+            raise ValueError(f"batch_wait_timeout_ms must be in [0, 1000], got {timeout!r}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise ValueError(f"batch_wait_max_tokens_ratio must be in [0, 1], got {ratio!r}")
+        if timeout / 1000 >= self.stall_timeout / 2:
+            raise ValueError(
+                f"batch_wait_timeout_ms {timeout:g} must be under half the stall timeout "
+                f"({self.stall_timeout:g} s)"
+            )
+        if ratio and not timeout:
+            raise ValueError("batch_wait_max_tokens_ratio needs batch_wait_timeout_ms > 0 (its window)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"

@@ -24,6 +24,10 @@ share this machine's CPUs with whatever else runs, the load generator included.
 single-process server in the same run: after the plain `berth serve`, the same workload goes
 to an engine whose owner runs N postprocess workers, spread over K frontends attached to it
 (`berth serve --attach`; K = 0: to the owner itself), and the ratios of the two are printed.
+
+`--batch-wait-timeout-ms MS` (and `--batch-wait-max-tokens-ratio R`) measures the enqueue
+window the same way: the workload runs on a server without it, then on one with it, and the
+throughput and TTFT of the two are printed side by side.
 """
 
 from __future__ import annotations
@@ -103,6 +107,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="then run it on an engine whose owner detokenizes in N postprocess workers, and compare",
     )
+    parser.add_argument(
+        "--batch-wait-timeout-ms",
+        type=float,
+        metavar="MS",
+        help="then run it on a server with this enqueue window (`berth serve --batch-wait-timeout-ms`) "
+        "and compare with the window off",
+    )
+    parser.add_argument(
+        "--batch-wait-max-tokens-ratio",
+        type=float,
+        metavar="RATIO",
+        help="the window's token ratio (with --batch-wait-timeout-ms)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     )
     api_key = args.api_key or os.environ.get("BERTH_API_KEY") or None
     shapes = [Shape("single-process server", 0, 0)]
-    if args.frontends or args.num_postprocess_workers:
+    if args.batch_wait_timeout_ms:
+        shapes.append(_window_shape(args))
+    elif args.frontends or args.num_postprocess_workers:
         shapes.append(
             Shape(
                 _describe(args.frontends, args.num_postprocess_workers),
@@ -159,6 +178,16 @@ class Shape:
     label: str
     frontends: int  # attached frontends the load is spread over (0: the owner takes it)
     postprocess_workers: int
+    engine_args: tuple[str, ...] = ()  # more `berth serve` options
+
+
+def _window_shape(args: argparse.Namespace) -> Shape:
+    engine_args = ("--batch-wait-timeout-ms", str(args.batch_wait_timeout_ms))
+    label = f"enqueue window {args.batch_wait_timeout_ms:g} ms"
+    if args.batch_wait_max_tokens_ratio:
+        engine_args += ("--batch-wait-max-tokens-ratio", str(args.batch_wait_max_tokens_ratio))
+        label += f", token ratio {args.batch_wait_max_tokens_ratio:g}"
+    return Shape(label, 0, 0, engine_args)
 
 
 def _describe(frontends: int, workers: int) -> str:
@@ -183,6 +212,16 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"{flag} must be >= 0, got {value}"
         if value and args.base_url:
             return f"{flag} starts servers of its own: it cannot measure --base-url"
+    window = args.batch_wait_timeout_ms
+    if window is not None:
+        if not 0 < window <= 1000:
+            return f"--batch-wait-timeout-ms must be in (0, 1000], got {window:g}"
+        if args.base_url:
+            return "--batch-wait-timeout-ms starts servers of its own: it cannot measure --base-url"
+        if args.frontends or args.num_postprocess_workers:
+            return "--batch-wait-timeout-ms compares one server with and without the window: no --frontends"
+    elif args.batch_wait_max_tokens_ratio is not None:
+        return "--batch-wait-max-tokens-ratio needs --batch-wait-timeout-ms"
     return None
 
 
@@ -201,6 +240,7 @@ def _servers(args: argparse.Namespace, shape: Shape) -> Iterator[list[str]]:
         "--max-batch-size", str(args.batch_size), "--max-num-tokens", str(args.max_num_tokens),
         "--dtype", args.dtype, "--log-level", "warning",
     ]  # fmt: skip
+    owner += shape.engine_args
     if shape.postprocess_workers:
         owner += ["--num-postprocess-workers", str(shape.postprocess_workers)]
     if shape.frontends:
@@ -493,6 +533,14 @@ def _report_shapes(measured: list[tuple[Shape, float, list[RequestResult]]]) -> 
     ratio = throughput(duration, results) / throughput(base_duration, base)
     print(f"{'Output throughput ratio (shape / single):':<44}{ratio:>8.2f}")
     print(f"{'Median TTFT ratio (shape / single):':<44}{median_ttft(results) / median_ttft(base):>8.2f}")
+    if shape.engine_args:  # the same server with other options: the figures side by side
+        print(f"{'':<28}{'without':>12}{'with':>12}")
+        print(f"{'Output throughput (tok/s):':<28}{throughput(base_duration, base):>12.2f}"
+              f"{throughput(duration, results):>12.2f}")  # fmt: skip
+        for stat in ("Median", "P90", "P99"):
+            before = _percentiles([r.ttft for r in base if r.ok])[stat]
+            after = _percentiles([r.ttft for r in results if r.ok])[stat]
+            print(f"{f'{stat} TTFT (ms):':<28}{1000 * before:>12.2f}{1000 * after:>12.2f}")
     print("-" * 52)
 
 

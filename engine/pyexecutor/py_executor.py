@@ -44,6 +44,7 @@ from berth.engine.engine_io import (
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
 from berth.engine.pyexecutor import step_inputs
+from berth.engine.pyexecutor.enqueue_window import EnqueueWindow
 from berth.engine.pyexecutor.model_runner import ModelRunner
 from berth.engine.pyexecutor.rank import build_rank, rank_memory
 from berth.engine.pyexecutor.request_queue import RequestQueue
@@ -80,6 +81,11 @@ class PyExecutor:
             max_num_tokens=config.max_num_tokens,
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            window=EnqueueWindow(
+                config.batch_wait_timeout_ms / 1000,
+                max_batch_size=config.max_batch_size,
+                max_tokens=config.batch_wait_max_tokens_ratio * config.max_num_tokens,
+            ),
         )
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -241,9 +247,13 @@ class PyExecutor:
         return responses
 
     def _fetch_new_requests(self) -> list[Response]:
-        """Takes everything queued; blocks only while there is nothing to do."""
-        idle = not self.scheduler.has_work() and self.transitions.parking is None
-        first = self.request_queue.get(timeout=None if idle else 0)
+        """Takes everything queued; blocks while there is nothing to do (for good), or while an
+        enqueue window holds all there is (until it closes)."""
+        if self.scheduler.has_work():
+            timeout = self.scheduler.seconds_to_wait()
+        else:
+            timeout = None if self.transitions.parking is None else 0
+        first = self.request_queue.get(timeout=timeout)
         items = ([first] if first is not None else []) + self.request_queue.get_nowait_all()
         responses: list[Response] = []
         for item in items:

@@ -5,7 +5,8 @@ sequences go first, most important first (arrival order, or priority then arriva
 takes the tokens it has not computed yet, up to the budget left (chunked prefill; without
 it, all of them or none this step). When the KV pool cannot hold a running sequence's next
 tokens, the least important running sequence is preempted (its blocks freed, recomputed
-later) until it can. Waiting groups are admitted only in steps without preemption.
+later) until it can. Waiting groups are admitted only in steps without preemption, and not
+while an enqueue window (`enqueue_window.py`) holds them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from berth.engine.pyexecutor.enqueue_window import EnqueueWindow
 from berth.engine.pyexecutor.kv_cache import KVCacheManager
 from berth.engine.pyexecutor.sequence import Sequence, SequenceState
 from berth.engine.pyexecutor.waiting_queue import Group, WaitingQueue, create_waiting_queue
@@ -38,6 +40,7 @@ class Scheduler:
         max_num_tokens: int,
         policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
+        window: EnqueueWindow | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.max_batch_size = max_batch_size
@@ -46,6 +49,7 @@ class Scheduler:
         self.waiting: WaitingQueue = create_waiting_queue(policy)
         self.running: list[Sequence] = []  # most important first
         self._by_priority = policy == "priority"
+        self.window = window
 
     def _importance(self, sequence: Sequence) -> tuple[float, int]:
         """Sort key: smaller is more important (scheduled first, preempted last)."""
@@ -59,7 +63,16 @@ class Scheduler:
         return bool(self.running) or len(self.waiting) > 0
 
     def add(self, group: Group) -> None:
+        if self.window is not None and not len(self.waiting):
+            self.window.open()  # only a request nothing waits ahead of opens one
         self.waiting.append(list(group))
+
+    def seconds_to_wait(self) -> float:
+        """How long the loop may wait for new requests before stepping: until the enqueue window
+        closes when it holds every sequence there is, else 0 (something can step now)."""
+        if self.running or self.window is None:
+            return 0.0
+        return self.window.seconds_left()
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -74,13 +87,23 @@ class Scheduler:
                 continue
             out.scheduled.append((sequence, num_new))
             budget -= num_new
-        if not out.preempted:
+        if not out.preempted and not self._window_holds():
             self._admit_waiting(out, budget)
         now = time.time()
         for sequence, _ in out.scheduled:
             if sequence.first_scheduled_time is None:
                 sequence.first_scheduled_time = now
         return out
+
+    def _window_holds(self) -> bool:
+        if self.window is None or not self.window.is_open:
+            return False
+        held = [sequence for group in self.waiting for sequence in group]
+        if not held:  # aborted while held
+            self.window.close()
+            return False
+        tokens = sum(s.num_tokens - s.num_computed_tokens for s in held) + len(self.running)
+        return self.window.holds(len(self.running) + len(held), tokens)
 
     def _tokens_to_compute(self, sequence: Sequence, num_computed: int, budget: int) -> int:
         """How many of the sequence's uncomputed tokens this step takes: all of them if the budget

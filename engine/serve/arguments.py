@@ -30,6 +30,8 @@ ENGINE_OPTIONS = {
     "first_step_timeout": "first_step_timeout",
     "transition_timeout": "transition_timeout",
     "enforce_eager": "enforce_eager",
+    "batch_wait_timeout_ms": "batch_wait_timeout_ms",
+    "batch_wait_max_tokens_ratio": "batch_wait_max_tokens_ratio",
 }
 # Options of the process that owns the engine: an attached frontend has none of them.
 OWNER_OPTIONS = (*ENGINE_OPTIONS, "executor", "num_postprocess_workers", "attach_port", "model_revision")
@@ -152,6 +154,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on a GPU, run decode steps eagerly instead of replaying captured CUDA graphs",
     )
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    engine.add_argument(
+        "--batch-wait-timeout-ms",
+        type=float,
+        metavar="MS",
+        help="the enqueue window: a new request may wait up to this long for others to start as one "
+        "batch, never longer (default 0: off; at most 1000)",
+    )
+    engine.add_argument(
+        "--batch-wait-max-tokens-ratio",
+        type=float,
+        metavar="RATIO",
+        help="close the enqueue window early once the next step would carry this share of "
+        "--max-num-tokens (0 to 1; default 0: only a full batch or the timeout closes it)",
+    )
     engine.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
     engine.add_argument(
         "--device", type=device_name, help="cpu, cuda or cuda:N (default: cuda when available)"

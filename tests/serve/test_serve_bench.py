@@ -107,3 +107,27 @@ def test_bench_serve_refuses_frontends_against_a_given_server(tmp_path):
         timeout=60,
     )
     assert result.returncode == 2, result.stdout + result.stderr
+
+
+def test_bench_serve_compares_the_enqueue_window_on_and_off_in_one_run(tiny_model):
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "8",
+            "--input-len", "4", "8", "--output-len", "4", "8", "--batch-size", "8", "--skip-offline",
+            "--request-rate", "40", "--batch-wait-timeout-ms", "20", "--batch-wait-max-tokens-ratio", "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "server: berth serve (enqueue window 20 ms, token ratio 0.5," in result.stdout
+    off, on = result.stdout.split(" Serving Benchmark Result: ")[1:]
+    assert off.startswith("single-process server") and on.startswith("enqueue window 20 ms, token ratio 0.5")
+    for section in (off, on):
+        assert figure(section, "Successful requests") == 8 and figure(section, "Failed requests") == 0
+    side_by_side = re.search(r"^Median TTFT \(ms\):\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.MULTILINE)
+    assert side_by_side, result.stdout
+    assert all(float(value) > 0 for value in side_by_side.groups())
+    assert re.search(r"^Output throughput \(tok/s\):\s+[\d.]+\s+[\d.]+$", result.stdout, re.MULTILINE)

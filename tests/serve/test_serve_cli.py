@@ -101,6 +101,8 @@ def test_an_attach_port_in_use_is_refused_before_the_model_loads(tiny_model):
         (("--port", "http"), ("--port",)),
         (("--max-batch-size", "0"), ("max_batch_size",)),
         (("--shutdown-timeout", "-1"), ("--shutdown-timeout",)),
+        (("--batch-wait-timeout-ms", "5000"), ("batch_wait_timeout_ms", "1000")),
+        (("--batch-wait-max-tokens-ratio", "0.5"), ("batch_wait_max_tokens_ratio", "batch_wait_timeout_ms")),
     ],
 )
 def test_a_bad_option_is_refused(tiny_model, args, words):
