@@ -77,6 +77,12 @@ class EngineConfig:
     # closes once the next step would carry that share of `max_num_tokens`.
     batch_wait_timeout_ms: float = 0.0
     batch_wait_max_tokens_ratio: float = 0.0
+    # KV-cache events (`pyexecutor/kv_events.py`, off when None): ZeroMQ endpoints to bind
+    # (tcp://HOST:PORT, a port of * picks one; ipc://PATH) for the events and for the snapshots
+    # late subscribers ask for, and the engine's name in them (default: host:pid).
+    kv_events_endpoint: str | None = None
+    kv_events_snapshot_endpoint: str | None = None
+    kv_events_engine_id: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "tensor_parallel_size"):
@@ -123,6 +129,18 @@ class EngineConfig:
             )
         if ratio and not timeout:
             raise ValueError("batch_wait_max_tokens_ratio needs batch_wait_timeout_ms > 0 (its window)")
+        for name in ("kv_events_endpoint", "kv_events_snapshot_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.startswith(("tcp://", "ipc://"))):
+                raise ValueError(
+                    f"{name} must be a ZeroMQ endpoint (tcp://HOST:PORT or ipc://PATH), got {value!r}"
+                )
+        if self.kv_events_endpoint is None and self.kv_events_snapshot_endpoint is not None:
+            raise ValueError("kv_events_snapshot_endpoint needs kv_events_endpoint")
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                "KV-cache events are the prefix cache's: kv_events_endpoint needs prefix caching on"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"

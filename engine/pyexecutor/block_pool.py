@@ -11,14 +11,15 @@ The pool knows nothing about tensors, tokens or sequences.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 BlockHash = bytes
 
 
 class KVBlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash], None] | None = None) -> None:
         self.num_blocks = num_blocks
+        self.on_evict = on_evict  # told of every cached prefix a block loses (KV events)
         self._refs = [0] * num_blocks
         # Free blocks, the next one to hand out first: freed blocks join at the end.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -77,14 +78,21 @@ class KVBlockPool:
             del self._free[block]
         self._refs[block] += 1
 
-    def cache(self, block: int, block_hash: BlockHash) -> None:
-        """Records that `block` holds the prefix `block_hash` names. A prefix already cached in
-        another block keeps that one (two sequences computed it at the same time)."""
-        if block_hash not in self._block_of and block not in self._hash_of:
-            self._block_of[block_hash] = block
-            self._hash_of[block] = block_hash
+    def cache(self, block: int, block_hash: BlockHash) -> bool:
+        """Records that `block` holds the prefix `block_hash` names; False if it did not (a prefix
+        already cached in another block keeps that one: two sequences computed it at once)."""
+        if block_hash in self._block_of or block in self._hash_of:
+            return False
+        self._block_of[block_hash] = block
+        self._hash_of[block] = block_hash
+        return True
+
+    def cached_hashes(self) -> set[BlockHash]:
+        return set(self._block_of)
 
     def _forget_hash(self, block: int) -> None:
         block_hash = self._hash_of.pop(block, None)
         if block_hash is not None:
             del self._block_of[block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block_hash)

@@ -30,6 +30,7 @@ from array import array
 import torch
 
 from berth.engine.pyexecutor.block_pool import BlockHash, KVBlockPool
+from berth.engine.pyexecutor.kv_events import KVEventLog, salt_namespace
 from berth.engine.pyexecutor.sequence import Sequence
 
 
@@ -49,6 +50,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
     ) -> None:
         self.block_size = block_size
+        self.event_log: KVEventLog | None = None  # recording KV events: `record_events`
         self.pool = KVBlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         # Since start, in tokens (vLLM's meaning): looked up at admission, and found cached.
@@ -75,7 +77,7 @@ class KVCacheManager:
         """The cache tensors, and a fresh pool: no block is held and no prefix is cached."""
         if self.kv_caches is not None:
             return
-        self.pool = KVBlockPool(self.pool.num_blocks)
+        self.pool = self._empty_pool()
         if self.device.type == "cpu":
             # Pages are taken from the OS as the cache is written (zeros until then).
             self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -89,13 +91,25 @@ class KVCacheManager:
         holds a block (a sleep drains or aborts them all first)."""
         if self.pool.num_used:
             raise RuntimeError(f"cannot release the KV cache: {self.pool.num_used} blocks are in use")
-        self.pool = KVBlockPool(self.pool.num_blocks)
+        self.pool = self._empty_pool()
+        if self.event_log is not None:
+            self.event_log.cleared()
         self.kv_caches = None
         if self._mapping is not None:
             # The pages go back now, even if a view of the tensors were still alive somewhere
             # (it would read zeros); the mapping itself goes when its last view does.
             self._mapping.madvise(mmap.MADV_DONTNEED)
             self._mapping = None
+
+    def record_events(self) -> KVEventLog:
+        """From now on, every block stored in or evicted from the prefix cache, and every clear,
+        is written to the returned log (for `kv_events.KVEventPublisher`)."""
+        self.event_log = KVEventLog(self.block_size, self.device.type)
+        self.pool.on_evict = self.event_log.removed
+        return self.event_log
+
+    def _empty_pool(self) -> KVBlockPool:
+        return KVBlockPool(self.pool.num_blocks, self.event_log.removed if self.event_log else None)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -163,9 +177,29 @@ class KVCacheManager:
         if full <= sequence.num_cached_blocks:
             return
         hashes = self._block_hashes(sequence, full)
-        for index in range(sequence.num_cached_blocks, full):
-            self.pool.cache(sequence.block_ids[index], hashes[index])
+        stored = [
+            index
+            for index in range(sequence.num_cached_blocks, full)
+            if self.pool.cache(sequence.block_ids[index], hashes[index])
+        ]
         sequence.num_cached_blocks = full
+        if self.event_log is not None and stored:
+            self._log_stored(sequence, hashes, stored)
+
+    def _log_stored(self, sequence: Sequence, hashes: list[BlockHash], stored: list[int]) -> None:
+        """One event per run of consecutive blocks stored (a block another one holds breaks it)."""
+        size, namespace = self.block_size, salt_namespace(sequence.cache_salt)
+        runs: list[list[int]] = []
+        for index in stored:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            parent = hashes[first - 1] if first else None
+            tokens = sequence.token_ids[first * size : end * size]
+            self.event_log.stored(hashes[first:end], parent, tokens, namespace)
 
     def _block_hashes(self, sequence: Sequence, count: int) -> list[BlockHash]:
         """The chained hashes of the sequence's first `count` full blocks (computed once each)."""

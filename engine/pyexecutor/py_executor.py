@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +47,7 @@ from berth.engine.models.config import ModelConfig
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
 from berth.engine.pyexecutor import step_inputs
 from berth.engine.pyexecutor.enqueue_window import EnqueueWindow
+from berth.engine.pyexecutor.kv_events import KVEventPublisher
 from berth.engine.pyexecutor.model_runner import ModelRunner
 from berth.engine.pyexecutor.rank import build_rank, rank_memory
 from berth.engine.pyexecutor.request_queue import RequestQueue
@@ -99,6 +102,9 @@ class PyExecutor:
         self._stats_seq = itertools.count(1)  # snapshots are taken on more than one thread
         self._thread: threading.Thread | None = None
         self._start_on_thread: queue.SimpleQueue | None = None  # set by `launch`
+        self.kv_events = kv_event_publisher(config)
+        if self.kv_events is not None:
+            kv_cache.record_events()
 
     @classmethod
     def from_config(
@@ -125,6 +131,7 @@ class PyExecutor:
         start: queue.SimpleQueue = queue.SimpleQueue()
 
         def main() -> None:
+            engine = None
             try:
                 engine = cls.from_config(config, tp, on_progress)
                 if on_progress is not None:
@@ -133,6 +140,8 @@ class PyExecutor:
                 if problem is not None:  # the worker ends the world (other ranks wait in receive)
                     raise RuntimeError(f"{config.model} failed its check after loading: {problem}")
             except BaseException as error:
+                if engine is not None and engine.kv_events is not None:
+                    engine.kv_events.close()  # its sockets would outlive an engine that never runs
                 built.put(error)
                 return
             engine._start_on_thread = start
@@ -179,6 +188,8 @@ class PyExecutor:
         try:
             while not self._shutting_down or self.scheduler.has_work():
                 responses = self.iterate()
+                if self.kv_events is not None:
+                    self.kv_events.publish(self.kv_cache.event_log.take())
                 # While it has work the loop speaks at least every heartbeat, even if no step
                 # answered anyone (non-streamed requests): the stall watchdog hears it step.
                 heartbeat = self.scheduler.has_work() and time.monotonic() - spoke >= heartbeat_seconds
@@ -196,6 +207,9 @@ class PyExecutor:
         except BaseException as error:
             logger.exception("engine loop failed")
             on_fatal(_stalled_collective(error, self.model_runner.tp.size, self.config) or error)
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
 
     def iterate(self) -> list[Response]:
         """One turn of the loop: take what is queued (blocking only while idle), then one step,
@@ -479,6 +493,13 @@ class PyExecutor:
             resident_bytes=resident_bytes(),
             seq=next(self._stats_seq),
         )
+
+
+def kv_event_publisher(config: EngineConfig) -> KVEventPublisher | None:
+    if config.kv_events_endpoint is None:
+        return None
+    engine_id = config.kv_events_engine_id or f"{socket.gethostname()}:{os.getpid()}"
+    return KVEventPublisher(config.kv_events_endpoint, config.kv_events_snapshot_endpoint, engine_id)
 
 
 def engine_limits(

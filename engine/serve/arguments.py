@@ -32,6 +32,9 @@ ENGINE_OPTIONS = {
     "enforce_eager": "enforce_eager",
     "batch_wait_timeout_ms": "batch_wait_timeout_ms",
     "batch_wait_max_tokens_ratio": "batch_wait_max_tokens_ratio",
+    "kv_events_endpoint": "kv_events_endpoint",
+    "kv_events_snapshot_endpoint": "kv_events_snapshot_endpoint",
+    "kv_events_engine_id": "kv_events_engine_id",
 }
 # Options of the process that owns the engine: an attached frontend has none of them.
 OWNER_OPTIONS = (*ENGINE_OPTIONS, "executor", "num_postprocess_workers", "attach_port", "model_revision")
@@ -167,6 +170,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RATIO",
         help="close the enqueue window early once the next step would carry this share of "
         "--max-num-tokens (0 to 1; default 0: only a full batch or the timeout closes it)",
+    )
+    engine.add_argument(
+        "--kv-events-endpoint",
+        metavar="tcp://HOST:PORT",
+        help="publish KV-cache events (blocks stored / removed, cache cleared) on a ZeroMQ PUB socket "
+        "bound here (default: none)",
+    )
+    engine.add_argument(
+        "--kv-events-snapshot-endpoint",
+        metavar="tcp://HOST:PORT",
+        help="answer late subscribers' snapshot requests (the cache's contents) on a ZeroMQ ROUTER "
+        "socket bound here",
+    )
+    engine.add_argument(
+        "--kv-events-engine-id",
+        metavar="NAME",
+        help="this engine's name in its KV events (default: host:pid)",
     )
     engine.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
     engine.add_argument(
