@@ -16,8 +16,9 @@ def test_a_served_engine_publishes_its_cache_events(tiny_model, tmp_path):
     events, snapshots = f"ipc://{tmp_path}/kv-events", f"ipc://{tmp_path}/kv-snapshots"
     server = ServerProcess(
         tiny_model,
-        "--served-model-name", "tiny", "--kv-blocks", "64", "--kv-block-size", "8", "--kv-events-endpoint", events,
-        "--kv-events-snapshot-endpoint", snapshots, "--kv-events-engine-id", "world-0",
+        "--served-model-name", "tiny", "--kv-blocks", "64", "--kv-block-size", "8",
+        "--kv-events-endpoint", events, "--kv-events-snapshot-endpoint", snapshots,
+        "--kv-events-engine-id", "world-0",
         admin_token=ADMIN_TOKEN,
     )  # fmt: skip
     subscriber = None
