@@ -142,8 +142,15 @@ def test_a_publisher_that_cannot_bind_says_where(tiny_model):
     taken = context.socket(zmq.PUB)
     try:
         port = taken.bind_to_random_port("tcp://127.0.0.1")
-        with pytest.raises(ValueError, match=f"cannot bind the KV events socket \\(tcp://127.0.0.1:{port}\\)"):
-            LLM(tiny_model, executor="in-process", kv_cache_blocks=16, kv_events_endpoint=f"tcp://127.0.0.1:{port}")
+        with pytest.raises(
+            ValueError, match=f"cannot bind the KV events socket \\(tcp://127.0.0.1:{port}\\)"
+        ):
+            LLM(
+                tiny_model,
+                executor="in-process",
+                kv_cache_blocks=16,
+                kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+            )
     finally:
         taken.close(linger=0)
         context.term()
