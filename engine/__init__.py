@@ -13,6 +13,9 @@ _EXPORTS = {
     "EngineConfig": "berth.engine.config",
     "EngineDeadError": "berth.engine.executor.errors",
     "RequestError": "berth.engine.engine_io",
+    "ContextOnly": "berth.engine.disaggregation",
+    "GenerationOnly": "berth.engine.disaggregation",
+    "KVHandle": "berth.engine.disaggregation",
 }
 
 __all__ = sorted(_EXPORTS)

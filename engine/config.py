@@ -11,6 +11,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 # memory limit leaves that the KV pool may take (the rest stays for what the operator reserves).
 KV_CACHE_MEMORY_FRACTION_ENV = "BERTH_KV_CACHE_MEMORY_FRACTION"
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.9
+KV_TRANSFER_KEY_ENV = "BERTH_KV_TRANSFER_KEY"
 
 
 def _fraction_from_env() -> float:
@@ -83,6 +84,12 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_snapshot_endpoint: str | None = None
     kv_events_engine_id: str | None = None
+    # Disaggregated prefill/decode (`berth.engine.disaggregation`): where this engine serves the
+    # KV blocks of its context-only requests (a ZeroMQ endpoint; None: it runs none), and the
+    # key that signs KV transfers (hex; default $BERTH_KV_TRANSFER_KEY, else $BERTH_ENGINE_KEY,
+    # the deployment's key), shared by the context and generation engines.
+    kv_transfer_endpoint: str | None = None
+    kv_transfer_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "kv_block_size", "tensor_parallel_size"):
@@ -129,7 +136,12 @@ class EngineConfig:
             )
         if ratio and not timeout:
             raise ValueError("batch_wait_max_tokens_ratio needs batch_wait_timeout_ms > 0 (its window)")
-        for name in ("kv_events_endpoint", "kv_events_snapshot_endpoint"):
+        if self.kv_transfer_endpoint is not None and self.transfer_key() is None:
+            raise ValueError(
+                "kv_transfer_endpoint needs a key that the context and generation engines share: "
+                "set BERTH_KV_TRANSFER_KEY (or BERTH_ENGINE_KEY), 64 hex digits"
+            )
+        for name in ("kv_events_endpoint", "kv_events_snapshot_endpoint", "kv_transfer_endpoint"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value.startswith(("tcp://", "ipc://"))):
                 raise ValueError(
@@ -145,6 +157,21 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
+
+    def transfer_key(self) -> bytes | None:
+        """The KV transfer key (`kv_transfer_key`, else from the environment), or None."""
+        text = (
+            self.kv_transfer_key or os.environ.get(KV_TRANSFER_KEY_ENV) or os.environ.get("BERTH_ENGINE_KEY")
+        )
+        if not text:
+            return None
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            raise ValueError("the KV transfer key must be hexadecimal") from None
+        if len(key) < 16:
+            raise ValueError("the KV transfer key must hold at least 16 bytes (32 hex digits)")
+        return key
 
     @property
     def first_step_bound(self) -> float:

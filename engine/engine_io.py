@@ -3,7 +3,8 @@ ride with it, the responses and stats that come out, the engine's limits, and th
 fails one request.
 
 A leaf: `executor/` (which sends these) and `pyexecutor/` (which consumes and produces them)
-both import it, and it imports nothing of the engine's rooms but `SamplingParams`. Everything
+both import it, and it imports nothing of the engine's rooms but `SamplingParams` and the
+disaggregated request types (`disaggregation`). Everything
 here is plain data: it is pickled on one side of a process boundary and unpickled on the other.
 
 One id names a request end to end: `request_id`, assigned by the executor when it is
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from berth.engine.disaggregation import Disaggregated, KVHandle, check_disaggregated
 from berth.engine.sampling_params import SamplingParams
 
 # The seed's rule, measured in UTF-8 bytes (what is hashed), not code points.
@@ -131,6 +133,7 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.time)
     cache_salt: str | None = None
     request_id: int = -1  # assigned by the executor when submitted
+    disaggregated: Disaggregated | None = None  # ContextOnly() or GenerationOnly(handle)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = as_token_buffer(self.prompt_token_ids)
@@ -154,6 +157,7 @@ class GenerationRequest:
         if not _is_number(self.arrival_time):
             raise ValueError(f"arrival_time must be a finite number, got {self.arrival_time!r}")
         check_cache_salt(self.cache_salt)
+        check_disaggregated(self.disaggregated)
         if not isinstance(self.sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(self.sampling_params)}")
         self.sampling_params.validate()
@@ -276,6 +280,7 @@ class Response:
     stop_reason: int | str | None = None
     error: RequestError | None = None  # the whole request failed
     queue_seconds: float | None = None  # on a sequence's first response: arrival -> first scheduled
+    kv_handle: KVHandle | None = None  # a context-only request's, on its last response
 
 
 @dataclass(frozen=True, slots=True)

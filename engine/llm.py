@@ -10,6 +10,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from berth.engine.config import EngineConfig
+from berth.engine.disaggregation import Disaggregated
 from berth.engine.engine_io import DEFAULT_DRAIN_TIMEOUT, ProgressSink, TransitionError, TransitionResult
 from berth.engine.executor import GenerationRequest, GenerationResult, create_executor
 from berth.engine.outputs import RequestOutput
@@ -77,15 +78,17 @@ class LLM:
         priority: float | Sequence[float] = 0.5,
         cache_salt: str | None = None,
         use_tqdm: bool = False,
+        disaggregated: Disaggregated | Sequence[Disaggregated | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (all submitted at once, batched continuously) and returns
         the outputs in the prompts' order."""
         prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
         params_list = _per_prompt(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         priorities = _per_prompt(priority, len(prompt_list), "priority")
+        splits = _per_prompt(disaggregated, len(prompt_list), "disaggregated")
         results = [
-            self.generate_async(p, sp, priority=pr, cache_salt=cache_salt)
-            for p, sp, pr in zip(prompt_list, params_list, priorities)
+            self.generate_async(p, sp, priority=pr, cache_salt=cache_salt, disaggregated=d)
+            for p, sp, pr, d in zip(prompt_list, params_list, priorities, splits)
         ]
         outputs = []
         started = time.perf_counter()
@@ -110,13 +113,16 @@ class LLM:
         priority: float = 0.5,
         cache_salt: str | None = None,
         tokenized_with=None,
+        disaggregated: Disaggregated | None = None,
     ) -> GenerationResult:
         """Submits one prompt; returns at once. Await the result, call `.result()`, or iterate
         it (`for` / `async for`) for streamed updates; `.abort()` stops it.
 
         `cache_salt` (a tenant's secret, say) keeps this request's prefix-cache reuse among
         requests with the same salt. `tokenized_with`: the tokenizer token ids were made with
-        (`llm.tokenizer` when you tokenized): refused if a wakeup has swapped it since."""
+        (`llm.tokenizer` when you tokenized): refused if a wakeup has swapped it since.
+        `disaggregated`: `ContextOnly()` (run the prompt, return the first token and a KV handle)
+        or `GenerationOnly(handle)` (continue from another engine's KV; same prompt and params)."""
         text = prompt if isinstance(prompt, str) else None
         if text is not None:
             tokenized_with = self.tokenizer
@@ -129,6 +135,7 @@ class LLM:
             streaming=streaming,
             priority=priority,
             cache_salt=cache_salt,
+            disaggregated=disaggregated,
         )
         return self._executor.submit(request, prompt=text, tokenized_with=tokenized_with)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from berth.engine.disaggregation import KVHandle
+
 
 @dataclass
 class Logprob:
@@ -39,3 +41,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # A context-only request's handle to its pinned KV blocks, for GenerationOnly(handle) on
+    # another engine; None when there is nothing more to generate (its first token ended it).
+    kv_handle: KVHandle | None = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from berth.engine.disaggregation import KVHandle
 from berth.engine.engine_io import RequestError, Response, internal_error
 from berth.engine.outputs import Logprob
 from berth.engine.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class SequenceUpdate:
     engine_finished: bool = False
     error: RequestError | None = None  # the whole request failed
     queue_seconds: float | None = None
+    kv_handle: KVHandle | None = None  # a context-only request's (disaggregated)
 
 
 class SequencePostprocessor:
@@ -83,6 +85,7 @@ class SequencePostprocessor:
             text_start=len(before),
             queue_seconds=response.queue_seconds,
             engine_finished=response.finish_reason is not None,
+            kv_handle=response.kv_handle,
         )
         self.engine_finished |= update.engine_finished
         if self.finished:

@@ -13,6 +13,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 
+from berth.engine.disaggregation import KVHandle
 from berth.engine.engine_io import GenerationRequest, RequestError, Response
 from berth.engine.executor.errors import EngineDeadError
 from berth.engine.executor.postprocess import RequestPostprocessor, SequenceUpdate
@@ -31,6 +32,7 @@ class _Sequence:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.kv_handle: KVHandle | None = None
         self.longest_stop = max((len(s) for s in params.stop_strings), default=0)
 
     @property
@@ -49,6 +51,8 @@ class _Sequence:
             self.text = self.text[: update.text_start] + update.text
         if update.finish_reason is not None:
             self.finish_reason, self.stop_reason = update.finish_reason, update.stop_reason
+        if update.kv_handle is not None:
+            self.kv_handle = update.kv_handle
         return update.stopped_by_string
 
     def visible_text(self) -> str:
@@ -252,6 +256,7 @@ class GenerationResult:
             prompt_token_ids=self.request.prompt_token_ids.tolist(),
             outputs=outputs,
             finished=self._done,
+            kv_handle=self._sequences[0].kv_handle,
         )
 
 

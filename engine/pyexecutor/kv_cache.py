@@ -169,6 +169,10 @@ class KVCacheManager:
             self.prefix_cache_queries += sequence.num_tokens
             self.prefix_cache_hits += sequence.num_computed_tokens
 
+    def record_full_blocks(self, sequence: Sequence, num_tokens: int) -> None:
+        """Blocks written from elsewhere (another engine's KV): recorded as if computed here."""
+        self._cache_full_blocks(sequence, num_tokens)
+
     def _cache_full_blocks(self, sequence: Sequence, num_tokens: int) -> None:
         """Records the sequence's blocks that `num_tokens` fill, so later sequences can reuse them."""
         if not self.enable_prefix_caching:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from berth.engine.config import EngineConfig
+from berth.engine.disaggregation import ContextOnly, GenerationOnly
 from berth.engine.engine_io import (
     AbortRequest,
     EngineLimits,
@@ -46,15 +47,17 @@ from berth.engine.engine_io import (
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
 from berth.engine.pyexecutor import step_inputs
+from berth.engine.pyexecutor.disaggregation import Disaggregation, PullDone
 from berth.engine.pyexecutor.enqueue_window import EnqueueWindow
 from berth.engine.pyexecutor.kv_events import KVEventPublisher
+from berth.engine.pyexecutor.kv_transfer import PullRequest, ReleaseRequest
 from berth.engine.pyexecutor.model_runner import ModelRunner
 from berth.engine.pyexecutor.rank import build_rank, rank_memory
 from berth.engine.pyexecutor.request_queue import RequestQueue
 from berth.engine.pyexecutor.sampler import Sampler
 from berth.engine.pyexecutor.scheduler import Scheduler
 from berth.engine.pyexecutor.sequence import Sequence, SequenceState
-from berth.engine.pyexecutor.sleep import MemoryAction, RankOutcome, resident_bytes
+from berth.engine.pyexecutor.sleep import MemoryAction, RankOutcome, ReleaseMemory, resident_bytes
 from berth.engine.pyexecutor.transitions import Transitions
 from berth.engine.sampling_params import SamplingParams
 
@@ -105,6 +108,7 @@ class PyExecutor:
         self.kv_events = kv_event_publisher(config)
         if self.kv_events is not None:
             kv_cache.record_events()
+        self.disaggregation = Disaggregation(self, config.kv_transfer_endpoint, config.transfer_key())
 
     @classmethod
     def from_config(
@@ -140,8 +144,8 @@ class PyExecutor:
                 if problem is not None:  # the worker ends the world (other ranks wait in receive)
                     raise RuntimeError(f"{config.model} failed its check after loading: {problem}")
             except BaseException as error:
-                if engine is not None and engine.kv_events is not None:
-                    engine.kv_events.close()  # its sockets would outlive an engine that never runs
+                if engine is not None:  # its sockets would outlive an engine that never runs
+                    engine.close_sockets()
                 built.put(error)
                 return
             engine._start_on_thread = start
@@ -208,8 +212,12 @@ class PyExecutor:
             logger.exception("engine loop failed")
             on_fatal(_stalled_collective(error, self.model_runner.tp.size, self.config) or error)
         finally:
-            if self.kv_events is not None:
-                self.kv_events.close()
+            self.close_sockets()
+
+    def close_sockets(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+        self.disaggregation.close()
 
     def iterate(self) -> list[Response]:
         """One turn of the loop: take what is queued (blocking only while idle), then one step,
@@ -221,6 +229,8 @@ class PyExecutor:
         # A sleep taken up in an earlier turn (whose stats said PARKING) moves on after this one.
         draining = self.transitions.parking is not None
         responses = self._fetch_new_requests()
+        self.disaggregation.expire_pins()
+        responses += self.disaggregation.start_pulls()
         if self.scheduler.has_work():
             responses += self.step()
         if draining:
@@ -254,6 +264,8 @@ class PyExecutor:
             sequence.token_ids.append(token)
             self._check_stop(sequence, token)
             response = self._emit_token(sequence, token, sampled.logprobs[i])
+            if sequence.context_only is not None and sequence.finished:
+                response.kv_handle = self._pin(sequence)
             if response is not None:
                 responses.append(response)
             if sequence.finished:
@@ -263,10 +275,12 @@ class PyExecutor:
     def _fetch_new_requests(self) -> list[Response]:
         """Takes everything queued; blocks while there is nothing to do (for good), or while an
         enqueue window holds all there is (until it closes)."""
-        if self.scheduler.has_work():
-            timeout = self.scheduler.seconds_to_wait()
-        else:
-            timeout = None if self.transitions.parking is None else 0
+        timeout = self.scheduler.seconds_to_wait()
+        due = self.disaggregation.seconds_to_wait()  # a pin to expire, a pull to start
+        if due is not None:
+            timeout = due if timeout is None else min(timeout, due)
+        if self.transitions.parking is not None:  # a sleep under way looks again every turn
+            timeout = 0 if not self.scheduler.has_work() else min(0.05 if timeout is None else timeout, 0.05)
         first = self.request_queue.get(timeout=timeout)
         items = ([first] if first is not None else []) + self.request_queue.get_nowait_all()
         responses: list[Response] = []
@@ -283,6 +297,12 @@ class PyExecutor:
                 responses += self.transitions.begin_sleep(item)
             elif isinstance(item, Wakeup):
                 self.transitions.begin_wakeup(item)
+            elif isinstance(item, PullRequest):
+                self.disaggregation.serve_pull(item)
+            elif isinstance(item, ReleaseRequest):
+                self.disaggregation.release(item)
+            elif isinstance(item, PullDone):
+                responses += self.disaggregation.pull_done(item)
         return responses
 
     # ---- admission at activation: the checks that need the model and the pool ----------------
@@ -296,6 +316,8 @@ class PyExecutor:
             return [Response(request.request_id, 0, [], error=error)]
         try:
             group = self._make_sequences(request)
+            if isinstance(request.disaggregated, GenerationOnly):
+                self.disaggregation.check_generation_only(group, request.disaggregated)
         except RequestError as error:
             return [Response(request.request_id, 0, [], error=error)]
         except ValueError as error:
@@ -304,7 +326,10 @@ class PyExecutor:
             logger.exception("request %d failed while being admitted", request.request_id)
             return [Response(request.request_id, 0, [], error=internal_error("admission"))]
         self._active[request.request_id] = group
-        self.scheduler.add(group)
+        if isinstance(request.disaggregated, GenerationOnly):
+            self.disaggregation.start_generation(group, request.disaggregated)
+        else:
+            self.scheduler.add(group)
         return []
 
     def _make_sequences(self, request: GenerationRequest) -> list[Sequence]:
@@ -331,6 +356,10 @@ class PyExecutor:
             )
         for sequence in group:
             sequence.streaming = request.streaming or bool(params.stop_strings)
+        if isinstance(request.disaggregated, ContextOnly):
+            self.disaggregation.check_context_only(request.request_id, params.n)
+            sequence.context_only = (request.disaggregated, sequence.max_tokens)
+            sequence.max_tokens = 1  # the first token, then the pin
         return group
 
     # ---- finishing -----------------------------------------------------------------------------
@@ -371,7 +400,16 @@ class PyExecutor:
         sequence.unsent_logprobs = []
         return response
 
+    def _pin(self, sequence: Sequence):
+        """A context-only sequence that ended after its first token, with more to generate:
+        its blocks are pinned for a generation engine, and its response carries the handle."""
+        spec, max_tokens = sequence.context_only
+        if sequence.finish_reason != "length" or max_tokens <= 1:
+            return None  # it is done for good: nothing to hand on
+        return self.disaggregation.pin(sequence, spec)
+
     def _retire(self, sequence: Sequence) -> None:
+        self.disaggregation.forget(sequence)
         self.scheduler.remove(sequence)
         group = self._active.get(sequence.request_id)
         if group is not None and all(s.finished for s in group):
@@ -404,6 +442,7 @@ class PyExecutor:
         for sequence in self._active.pop(request_id, []):
             if not sequence.finished:
                 sequence.finish("abort")
+                self.disaggregation.forget(sequence)
                 self.scheduler.remove(sequence)
         return [Response(request_id, 0, [], error=error)]
 
@@ -430,6 +469,8 @@ class PyExecutor:
         Rank 0 broadcasts it (plain data), each rank runs it on its own shard and KV cache
         (`rank.follow`), and the outcomes are gathered back here."""
         tp = self.model_runner.tp
+        if isinstance(action, ReleaseMemory):  # the cache goes: pinned blocks with it
+            self.disaggregation.drop_all_pins("the engine went to sleep")
         if tp.size > 1:
             step_inputs.broadcast_memory_action(tp, action)
         outcome = self.memory.apply(action)

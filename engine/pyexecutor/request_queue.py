@@ -81,6 +81,11 @@ class RequestQueue:
     def enqueue_abort(self, abort: AbortRequest) -> None:
         self._items.put(abort)
 
+    def enqueue_news(self, item: object) -> None:
+        """News from the engine's own threads (a KV transfer asked for or done): never refused,
+        and it wakes an idle loop."""
+        self._items.put(item)
+
     def enqueue_shutdown(self) -> None:
         """Closes admission for good and queues the sentinel behind everything admitted."""
         with self._enqueue_lock:

@@ -48,6 +48,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: WaitingQueue = create_waiting_queue(policy)
         self.running: list[Sequence] = []  # most important first
+        # Sequences that hold blocks and wait for something outside (their KV from another engine).
+        self.pending: set[Sequence] = set()
         self._by_priority = policy == "priority"
         self.window = window
 
@@ -60,19 +62,26 @@ class Scheduler:
         return sum(len(group) for group in self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.pending)
 
     def add(self, group: Group) -> None:
         if self.window is not None and not len(self.waiting):
             self.window.open()  # only a request nothing waits ahead of opens one
         self.waiting.append(list(group))
 
-    def seconds_to_wait(self) -> float:
-        """How long the loop may wait for new requests before stepping: until the enqueue window
-        closes when it holds every sequence there is, else 0 (something can step now)."""
-        if self.running or self.window is None:
+    def add_running(self, sequence: Sequence) -> None:
+        """A sequence whose prompt is computed already (its KV came from another engine)."""
+        bisect.insort(self.running, sequence, key=self._importance)
+
+    def seconds_to_wait(self) -> float | None:
+        """How long the loop may wait for new requests before stepping: 0 when something can step
+        now, until the enqueue window closes when it holds every sequence there is, None when
+        there is nothing to step (no sequence, or only pending ones)."""
+        if self.running:
             return 0.0
-        return self.window.seconds_left()
+        if len(self.waiting):
+            return self.window.seconds_left() if self.window is not None else 0.0
+        return None
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -169,6 +178,8 @@ class Scheduler:
         """Takes a finished or aborted sequence out of the running set or the waiting queue."""
         if sequence in self.running:
             self.running.remove(sequence)
+        elif sequence in self.pending:
+            self.pending.discard(sequence)
         else:
             for group in self.waiting:
                 if sequence in group:

@@ -74,6 +74,8 @@ class Sequence:
         # logits' device), so its tokens do not depend on what else is batched with it.
         self.seed = None if params.seed is None else params.seed + seq_index
         self.generator: torch.Generator | None = None
+        # Context-only (disaggregated): (the request's ContextOnly, the max_tokens it asked for).
+        self.context_only: tuple | None = None
 
     @property
     def num_tokens(self) -> int:

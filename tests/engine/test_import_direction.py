@@ -10,14 +10,15 @@ from pathlib import Path
 import berth.engine
 
 ENGINE = Path(berth.engine.__file__).parent
-LEAVES = {"engine_io", "sampling_params", "config", "outputs", "tokenizer"}
+LEAVES = {"engine_io", "sampling_params", "config", "outputs", "tokenizer", "disaggregation"}
 # room -> the rooms its modules may import from (besides itself)
 ALLOWED = {
     "sampling_params": set(),
     "config": set(),
-    "outputs": set(),
+    "outputs": {"disaggregation"},
     "tokenizer": set(),
-    "engine_io": {"sampling_params"},
+    "disaggregation": set(),
+    "engine_io": {"sampling_params", "disaggregation"},
     "models": set(),
     "pyexecutor": LEAVES | {"models"},
     "executor": LEAVES | {"pyexecutor"},  # the worker and the in-process shape run the engine

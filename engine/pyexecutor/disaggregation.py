@@ -1,0 +1,344 @@
+"""The engine loop's side of disaggregated prefill and decode (`berth.engine.disaggregation`).
+
+Context side: a context-only sequence ends after its first token; its blocks stay held by a
+*pin* instead of being freed, and the response carries the handle. A pull is answered in the
+loop's turn (the loop owns the cache tensors); a release, or the pin's deadline, frees the
+blocks. Pins never outlive a sleep (the cache goes) and never leak: every path ends in `_unpin`.
+
+Generation side: a generation-only sequence reserves the blocks its prompt needs (waiting for
+room up to its timeout), pulls the keys and values through the `KVTransferClient`, and when
+they arrive the loop writes them into its blocks and hands the sequence to the scheduler as a
+running one whose prompt is computed, its first token appended: the next step decodes exactly
+as a single engine would. A failed or late transfer fails the request alone (or, with
+`fallback="local"`, the prompt is run here); its blocks go back either way, and the context
+engine is told to release its pin.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from berth.engine.disaggregation import ContextOnly, GenerationOnly, KVHandle, KVLayout, prompt_digest
+from berth.engine.engine_io import RequestError, Response
+from berth.engine.pyexecutor.kv_transfer import (
+    KVTransferClient,
+    KVTransferServer,
+    PullRequest,
+    ReleaseRequest,
+)
+from berth.engine.pyexecutor.sequence import Sequence, SequenceState
+
+if TYPE_CHECKING:
+    from berth.engine.pyexecutor.py_executor import PyExecutor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pin:
+    block_ids: list[int]
+    num_tokens: int
+    deadline: float  # time.monotonic()
+    request_id: int
+
+
+@dataclass
+class _Pull:
+    sequence: Sequence
+    spec: GenerationOnly
+    deadline: float
+    started: bool = False  # blocks reserved and the pull sent
+
+
+@dataclass
+class PullDone:
+    """A pull ended (on the client's thread): the loop takes it up in its next turn."""
+
+    request_id: int
+    header: dict | None
+    payload: bytes
+    error: str | None
+
+
+class Disaggregation:
+    def __init__(self, engine: PyExecutor, endpoint: str | None, key: bytes | None) -> None:
+        self._engine = engine
+        self._key = key
+        self.pins: dict[str, _Pin] = {}
+        self.pulls: dict[int, _Pull] = {}  # request_id -> its pull
+        self.server = KVTransferServer(endpoint, key, engine.request_queue.enqueue_news) if endpoint else None
+        self._client: KVTransferClient | None = None
+        self.num_pins_expired = 0
+        self.num_transfers_failed = 0
+
+    # ---- context side ---------------------------------------------------------------------------
+
+    def check_context_only(self, request_id: int, n: int) -> None:
+        if self.server is None:
+            raise RequestError(
+                "this engine serves no KV transfers: start it with a KV transfer endpoint "
+                "(--kv-transfer-endpoint) to run context-only requests",
+                code="disaggregation_unavailable",
+            )
+        self._check_common(n)
+
+    def pin(self, sequence: Sequence, spec: ContextOnly) -> KVHandle:
+        """Takes the finished sequence's blocks (so retiring it frees none) under a new id."""
+        disagg_id = secrets.token_hex(16)
+        num_tokens = sequence.num_prompt_tokens
+        self.pins[disagg_id] = _Pin(
+            sequence.block_ids, num_tokens, time.monotonic() + spec.pin_seconds, sequence.request_id
+        )
+        blocks, sequence.block_ids = tuple(sequence.block_ids), []
+        sequence.num_cached_blocks = 0
+        logger.info(
+            "request %d: context done, %d blocks pinned as %s for %g s",
+            sequence.request_id, len(blocks), disagg_id, spec.pin_seconds,
+        )  # fmt: skip
+        return KVHandle(
+            address=_reachable(self.server.address),
+            disagg_id=disagg_id,
+            block_ids=blocks,
+            num_tokens=num_tokens,
+            first_token=sequence.token_ids[num_tokens],
+            prompt_digest=prompt_digest(sequence.token_ids[:num_tokens]),
+            layout=self.layout(),
+            context_request_id=sequence.request_id,
+        )
+
+    def serve_pull(self, pull: PullRequest) -> None:
+        pin = self.pins.get(pull.disagg_id)
+        if pin is None:
+            pull.reply(
+                {
+                    "op": "error",
+                    "message": f"no pinned KV blocks under {pull.disagg_id} (expired or released)",
+                },
+                b"",
+            )
+            return
+        kv = self._engine.kv_cache
+        if kv.kv_caches is None:
+            pull.reply({"op": "error", "message": "the KV cache is released (the engine sleeps)"}, b"")
+            return
+        data = _gather(kv.kv_caches, pin.block_ids, pin.num_tokens)
+        header = {"op": "data", "shape": list(data.shape), "dtype": str(data.dtype).removeprefix("torch.")}
+        pull.reply(header, data.view(torch.uint8).numpy().tobytes())
+
+    def release(self, request: ReleaseRequest) -> None:
+        self._unpin(request.disagg_id, "released")
+
+    def _unpin(self, disagg_id: str, why: str) -> None:
+        pin = self.pins.pop(disagg_id, None)
+        if pin is not None:
+            self._engine.kv_cache.pool.free(reversed(pin.block_ids))
+            logger.info("request %d: pinned KV blocks %s freed (%s)", pin.request_id, disagg_id, why)
+
+    def drop_all_pins(self, why: str) -> None:
+        for disagg_id in list(self.pins):
+            self._unpin(disagg_id, why)
+
+    # ---- generation side ------------------------------------------------------------------------
+
+    def check_generation_only(self, group: list[Sequence], spec: GenerationOnly) -> None:
+        """The handle against this engine and the request: a RequestError says what does not fit."""
+        handle = spec.handle
+        if self._key is None:
+            raise RequestError(
+                "this engine has no KV transfer key (BERTH_KV_TRANSFER_KEY or BERTH_ENGINE_KEY)"
+            )
+        self._check_common(len(group))
+        mine, theirs = self.layout(), handle.layout
+        if theirs.tensor_parallel_size != mine.tensor_parallel_size:
+            raise RequestError(
+                f"the context engine splits its KV heads over {theirs.tensor_parallel_size} ranks, this "
+                f"engine over {mine.tensor_parallel_size}: resharding the KV cache is not supported"
+            )
+        shapes = ("num_layers", "num_kv_heads", "head_dim")
+        if any(getattr(mine, name) != getattr(theirs, name) for name in shapes):
+            raise RequestError(
+                f"the context engine's KV layout {theirs} does not fit this engine's {mine}: another model?"
+            )
+        prompt = group[0].token_ids
+        if handle.num_tokens != len(prompt) or handle.prompt_digest != prompt_digest(prompt):
+            raise RequestError("the KV handle was made for another prompt than this request's")
+
+    def start_generation(self, group: list[Sequence], spec: GenerationOnly) -> None:
+        """The sequence waits here (not in the scheduler's queues) until its keys and values are in."""
+        (sequence,) = group
+        handle = spec.handle
+        sequence.token_ids.append(handle.first_token)
+        sequence.state = SequenceState.WAITING
+        self.pulls[sequence.request_id] = _Pull(sequence, spec, time.monotonic() + spec.timeout)
+        self._engine.scheduler.pending.add(sequence)
+        logger.info(
+            "request %d: generation-only, pulling %d tokens of KV from %s (context request %d)",
+            sequence.request_id, handle.num_tokens, handle.address, handle.context_request_id,
+        )  # fmt: skip
+
+    def start_pulls(self) -> list[Response]:
+        """Reserves blocks for the pulls waiting for room, and sends them; those past their
+        deadline without room fail (or fall back)."""
+        responses: list[Response] = []
+        kv = self._engine.kv_cache
+        now = time.monotonic()
+        for request_id, pull in list(self.pulls.items()):
+            if pull.started:
+                continue
+            needed = kv.blocks_for(pull.spec.handle.num_tokens)
+            if needed <= kv.pool.num_free:
+                pull.sequence.block_ids = kv.pool.allocate(needed)
+                pull.started = True
+                self._client_for().pull(
+                    pull.spec.handle.address,
+                    pull.spec.handle.disagg_id,
+                    pull.deadline,
+                    lambda header, payload, error, request_id=request_id: (
+                        self._engine.request_queue.enqueue_news(PullDone(request_id, header, payload, error))
+                    ),
+                )
+            elif now >= pull.deadline:
+                responses += self._failed(
+                    pull, f"no room in the KV cache for {needed} blocks within the timeout"
+                )
+        return responses
+
+    def pull_done(self, done: PullDone) -> list[Response]:
+        pull = self.pulls.pop(done.request_id, None)
+        if pull is None or pull.sequence.finished:  # aborted while it pulled: its blocks went back then
+            return []
+        handle = pull.spec.handle
+        self._client_for().release(handle.address, handle.disagg_id)
+        sequence = pull.sequence
+        if done.error is None:
+            try:
+                self._write(sequence, done.header, done.payload)
+            except (ValueError, RuntimeError, KeyError) as error:
+                done.error = f"the KV data does not fit: {error}"
+        if done.error is not None:
+            self.pulls[done.request_id] = pull  # `_failed` takes it out again
+            return self._failed(pull, done.error)
+        engine = self._engine
+        engine.scheduler.pending.discard(sequence)
+        engine.scheduler.add_running(sequence)
+        sequence.state = SequenceState.GENERATION_IN_PROGRESS
+        engine._check_stop(sequence, handle.first_token)
+        if sequence.streaming or sequence.finished:
+            response = engine._response(sequence)
+            if sequence.finished:
+                engine._retire(sequence)
+            return [response]
+        return []
+
+    def forget(self, sequence: Sequence) -> None:
+        """An aborted or failed generation-only sequence: its pull no longer matters (a late
+        result is dropped; the release was or will be sent)."""
+        pull = self.pulls.pop(sequence.request_id, None)
+        if pull is not None and pull.started:
+            self._client_for().release(pull.spec.handle.address, pull.spec.handle.disagg_id)
+
+    def _failed(self, pull: _Pull, error: str) -> list[Response]:
+        self.num_transfers_failed += 1
+        sequence, engine = pull.sequence, self._engine
+        self.pulls.pop(sequence.request_id, None)
+        handle = pull.spec.handle
+        logger.warning(
+            "request %d: KV transfer from %s failed: %s", sequence.request_id, handle.address, error
+        )
+        if pull.spec.fallback == "local":
+            engine.scheduler.pending.discard(sequence)
+            engine.kv_cache.free(sequence)
+            del sequence.token_ids[sequence.num_prompt_tokens :]
+            sequence.reset_for_recompute()
+            sequence.num_preemptions -= 1  # not a preemption
+            engine.scheduler.add([sequence])
+            return []
+        message = f"KV transfer from the context engine ({handle.address}) failed: {error}"
+        return engine._fail(sequence.request_id, RequestError(message, code="kv_transfer_failed"))
+
+    # ---- both ---------------------------------------------------------------------------------------
+
+    def expire_pins(self) -> None:
+        now = time.monotonic()
+        for disagg_id, pin in list(self.pins.items()):
+            if now >= pin.deadline:
+                self.num_pins_expired += 1
+                self._unpin(disagg_id, "pin timed out")
+
+    def seconds_to_wait(self) -> float | None:
+        """Until a pin expires or a pull waiting for room should look again (None: nothing due)."""
+        if any(not pull.started for pull in self.pulls.values()):
+            return 0.05
+        if not self.pins:
+            return None
+        return max(0.0, min(pin.deadline for pin in self.pins.values()) - time.monotonic())
+
+    def layout(self) -> KVLayout:
+        kv, tp = self._engine.kv_cache, self._engine.model_runner.tp.size
+        return KVLayout(
+            dtype=str(kv.dtype).removeprefix("torch."),
+            block_size=kv.block_size,
+            num_layers=kv.shape[0],
+            num_kv_heads=kv.shape[4] * tp,
+            head_dim=kv.shape[5],
+            tensor_parallel_size=tp,
+        )
+
+    def _check_common(self, n: int) -> None:
+        tp = self._engine.model_runner.tp.size
+        if tp != 1:
+            raise RequestError(f"disaggregated requests need tensor_parallel_size 1 (this engine has {tp})")
+        if n != 1:
+            raise RequestError("a disaggregated request takes n=1 (send n requests, each with its own seed)")
+
+    def _client_for(self) -> KVTransferClient:
+        if self._client is None:
+            self._client = KVTransferClient(self._key)
+        return self._client
+
+    def _write(self, sequence: Sequence, header: dict, payload: bytes) -> None:
+        kv = self._engine.kv_cache
+        num_tokens = sequence.num_prompt_tokens
+        dtype = getattr(torch, header["dtype"])
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(header["shape"])
+        expected = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"shape {tuple(data.shape)}, expected {expected}")
+        flat = kv.kv_caches.view(kv.shape[0], 2, -1, kv.shape[4], kv.shape[5])
+        flat[:, :, _slots(sequence.block_ids, num_tokens, kv.block_size, flat.device)] = data.to(flat)
+        sequence.num_computed_tokens = num_tokens
+        kv.record_full_blocks(sequence, num_tokens)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self._client is not None:
+            self._client.close()
+
+
+def _slots(block_ids: list[int], num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:
+    positions = np.arange(num_tokens)
+    slots = (
+        np.asarray(block_ids, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+    )
+    return torch.from_numpy(slots).to(device)
+
+
+def _gather(kv_caches: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """[layer][key|value][token][kv head][dim] of the first `num_tokens` tokens in the blocks (on the CPU)."""
+    layers, _, _, block_size, heads, dim = kv_caches.shape
+    flat = kv_caches.view(layers, 2, -1, heads, dim)
+    return flat[:, :, _slots(block_ids, num_tokens, block_size, flat.device)].contiguous().cpu()
+
+
+def _reachable(address: str) -> str:
+    """A bound wildcard address, as another host reaches it."""
+    return address.replace("//0.0.0.0:", f"//{socket.getfqdn()}:", 1)
