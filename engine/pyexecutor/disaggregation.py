@@ -56,6 +56,7 @@ class _Pull:
     spec: GenerationOnly
     deadline: float
     started: bool = False  # blocks reserved and the pull sent
+    released: bool = False  # the context engine was told to free its pin
 
 
 @dataclass
@@ -216,7 +217,7 @@ class Disaggregation:
         if pull is None or pull.sequence.finished:  # aborted while it pulled: its blocks went back then
             return []
         handle = pull.spec.handle
-        self._client_for().release(handle.address, handle.disagg_id)
+        self._release(pull)
         sequence = pull.sequence
         if done.error is None:
             try:
@@ -242,13 +243,20 @@ class Disaggregation:
         """An aborted or failed generation-only sequence: its pull no longer matters (a late
         result is dropped; the release was or will be sent)."""
         pull = self.pulls.pop(sequence.request_id, None)
-        if pull is not None and pull.started:
+        if pull is not None:
+            self._release(pull)
+
+    def _release(self, pull: _Pull) -> None:
+        """Whatever became of the pull, the context engine's pin is not needed any more."""
+        if not pull.released:
+            pull.released = True
             self._client_for().release(pull.spec.handle.address, pull.spec.handle.disagg_id)
 
     def _failed(self, pull: _Pull, error: str) -> list[Response]:
         self.num_transfers_failed += 1
         sequence, engine = pull.sequence, self._engine
         self.pulls.pop(sequence.request_id, None)
+        self._release(pull)
         handle = pull.spec.handle
         logger.warning(
             "request %d: KV transfer from %s failed: %s", sequence.request_id, handle.address, error
