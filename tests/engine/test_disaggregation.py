@@ -225,3 +225,25 @@ def test_the_split_across_worker_processes(tiny_model, generation):
         assert context.generate([[5, 6]], SamplingParams(max_tokens=1))  # a step: fresh stats
         assert context.executor.stats.kv_blocks_used == 0  # every pin was released
     assert kv_blocks_used(generation) == 0
+
+
+def test_a_real_model_through_the_split_equals_one_engine(smollm2):
+    """SmolLM2-135M, a prompt over several prefill chunks: the same greedy tokens as one engine.
+    One engine plays both parts (its KV goes out through its socket and back into other blocks):
+    loading the real model twice would double the test's time; two engines of other block sizes
+    are shown on the tiny model above."""
+    from tests.engine.test_real_model import CHUNK, prompts
+
+    with LLM(
+        smollm2, executor="in-process", max_batch_size=4, max_num_tokens=CHUNK, kv_cache_blocks=24,
+        kv_transfer_key=KEY, kv_transfer_endpoint="tcp://127.0.0.1:*",
+    ) as llm:  # fmt: skip
+        batch = prompts(llm.tokenizer)[1:3]  # a long chat prompt (two chunks) and a short one
+        params = SamplingParams(temperature=0, max_tokens=6)
+        single = llm.generate(batch, params)
+        firsts, outputs = split(llm, llm, batch, params)
+        for one, first, out in zip(single, firsts, outputs):
+            assert out.outputs[0].token_ids == one.outputs[0].token_ids
+            assert out.outputs[0].text == one.outputs[0].text
+            assert first.kv_handle.num_tokens == len(first.prompt_token_ids)
+        wait_for_no_pins(llm)
