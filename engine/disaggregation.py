@@ -11,6 +11,7 @@ acknowledged, or when the pin times out.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -75,6 +76,25 @@ class GenerationOnly:
 
 
 Disaggregated = ContextOnly | GenerationOnly
+
+
+def handle_to_dict(handle: KVHandle) -> dict:
+    """Plain JSON data (what `berth serve` answers and a router passes on)."""
+    return dataclasses.asdict(handle)
+
+
+def handle_from_dict(data: object) -> KVHandle:
+    """The handle a server answered with; ValueError if it is not one."""
+    try:
+        fields = dict(data)
+        fields["layout"] = KVLayout(**fields["layout"])
+        fields["block_ids"] = tuple(int(block) for block in fields["block_ids"])
+        handle = KVHandle(**fields)
+    except (TypeError, KeyError, ValueError) as error:
+        raise ValueError(f"not a KV handle: {error}") from None
+    if not isinstance(handle.address, str) or not isinstance(handle.disagg_id, str):
+        raise ValueError("not a KV handle: address and disagg_id must be strings")
+    return handle
 
 
 def prompt_digest(token_ids: np.ndarray | list[int]) -> str:

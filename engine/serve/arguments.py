@@ -35,6 +35,7 @@ ENGINE_OPTIONS = {
     "kv_events_endpoint": "kv_events_endpoint",
     "kv_events_snapshot_endpoint": "kv_events_snapshot_endpoint",
     "kv_events_engine_id": "kv_events_engine_id",
+    "kv_transfer_endpoint": "kv_transfer_endpoint",
 }
 # Options of the process that owns the engine: an attached frontend has none of them.
 OWNER_OPTIONS = (*ENGINE_OPTIONS, "executor", "num_postprocess_workers", "attach_port", "model_revision")
@@ -81,6 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`berth launch`) as an attached frontend; needs BERTH_ENGINE_KEY; give no MODEL",
     )
     add_attach_port_argument(parser)
+    parser.add_argument(
+        "--role",
+        choices=("both", "context", "generation"),
+        default="both",
+        help="in disaggregated serving: run only the context part of requests (the prompt; needs "
+        "--kv-transfer-endpoint), only the generation part, or both (default)",
+    )
+    parser.add_argument(
+        "--route",
+        action="append",
+        metavar="ROLE=URL[,URL...]",
+        help="be a router, not a server of a model: run each OpenAI request on a context server, then "
+        "on a generation server (give context=... and generation=...; no MODEL)",
+    )
     engine = parser.add_argument_group("engine options")
     engine.add_argument(
         "--executor",
@@ -182,6 +197,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="tcp://HOST:PORT",
         help="answer late subscribers' snapshot requests (the cache's contents) on a ZeroMQ ROUTER "
         "socket bound here",
+    )
+    engine.add_argument(
+        "--kv-transfer-endpoint",
+        metavar="tcp://HOST:PORT",
+        help="serve the KV blocks of context-only requests to generation engines on this ZeroMQ "
+        "endpoint (disaggregated serving; transfers are signed with BERTH_KV_TRANSFER_KEY, else "
+        "BERTH_ENGINE_KEY)",
     )
     engine.add_argument(
         "--kv-events-engine-id",

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from berth.engine.serve.auth import BEARER
 from berth.engine.serve.completions import STREAM_DOC
 from berth.engine.serve.context import serving
+from berth.engine.serve.disaggregated import engine_split, kv_handle_of
 from berth.engine.serve.errors import bad_request, documented
 from berth.engine.serve.generation import Generation, unless_disconnected
 from berth.engine.serve.logprobs import chat_logprobs
@@ -46,8 +47,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs)
     names = {"prompt": "messages", "max_tokens": budget_param}
     generation = Generation(
-        ctx, [prompt], [params], names=names, cache_salt=body.cache_salt, tokenized_with=tokenizer
-    )
+        ctx, [prompt], [params], names=names, cache_salt=body.cache_salt, tokenized_with=tokenizer,
+        disaggregated=engine_split(ctx.role, body, 1), correlation_id=request.headers.get("x-request-id"),
+    )  # fmt: skip
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     try:
         if body.stream:
@@ -74,6 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         model=ctx.model_name,
         choices=choices,
         usage=Usage.of([prompt], [output]),
+        kv_handle=kv_handle_of([output]),
     )
 
 

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from berth.engine.outputs import CompletionOutput, RequestOutput
 from berth.engine.serve.auth import BEARER
 from berth.engine.serve.context import serving
+from berth.engine.serve.disaggregated import engine_split, kv_handle_of
 from berth.engine.serve.errors import documented
 from berth.engine.serve.generation import Generation, unless_disconnected
 from berth.engine.serve.logprobs import completion_logprobs
@@ -51,6 +52,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         names={},
         cache_salt=body.cache_salt,
         tokenized_with=tokenizer if tokenized else None,
+        disaggregated=engine_split(ctx.role, body, len(prompts)),
+        correlation_id=request.headers.get("x-request-id"),
     )
     reply = CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=ctx.model_name, choices=[]
@@ -67,6 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         _choice(body, index, seq) for index, output in enumerate(outputs) for seq in output.outputs
     ]
     reply.usage = Usage.of(prompts, outputs)
+    reply.kv_handle = kv_handle_of(outputs)
     return reply
 
 

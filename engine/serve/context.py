@@ -35,6 +35,7 @@ class ServingContext:
     # The engine owner's attach endpoint (AttachEndpoint), once frontends can attach: a drain
     # waits for their requests too.
     frontends: object | None = None
+    role: str = "both"  # in disaggregated serving (`disaggregated.py`): context, generation or both
 
     @classmethod
     def for_llm(cls, llm, model_name: str | None = None, **options) -> ServingContext:

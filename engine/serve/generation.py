@@ -4,6 +4,7 @@ one stream of updates; and giving up on them when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -14,6 +15,7 @@ from berth.engine.sampling_params import SamplingParams
 from berth.engine.serve.context import ServingContext
 from berth.engine.serve.errors import ClientDisconnected, from_engine_error
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Update = tuple[int, RequestOutput]  # (prompt index, the request's output so far)
 
@@ -31,6 +33,8 @@ class Generation:
         names: dict[str, str],
         cache_salt: str | None = None,
         tokenized_with=None,
+        disaggregated=None,
+        correlation_id: str | None = None,
     ) -> None:
         """`names` maps the engine's field names to this API's, for the errors it raises.
         `tokenized_with`: the tokenizer the prompts were made with (None: the client's ids)."""
@@ -47,12 +51,15 @@ class Generation:
                         streaming=True,
                         cache_salt=cache_salt,
                         tokenized_with=tokenized_with,
+                        disaggregated=disaggregated,
                     )
                 )
         except Exception as error:
             self.abort()  # all of the HTTP request's prompts run, or none
             raise from_engine_error(error, names) from error
         for index, result in enumerate(self._results):
+            if correlation_id is not None:  # a router's X-Request-Id: the two halves' logs meet here
+                logger.info("%s: engine request %d", correlation_id, result.request_id)
             timer = ctx.metrics.track(len(prompts[index]))
             # Drained by their own tasks, so an aborted request is still read to its end (and
             # counted in /metrics) after its HTTP request is gone.

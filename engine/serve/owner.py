@@ -55,6 +55,10 @@ def serve_model(
     from berth.engine.config import EngineConfig
     from berth.engine.serve.server import bind, url_of
 
+    if args.role == "context" and args.kv_transfer_endpoint is None:
+        return fail(
+            "--role context needs --kv-transfer-endpoint (where generation servers pull the KV)", command
+        )
     try:
         EngineConfig(model=args.model, **options)  # refuse bad engine options before loading anything
     except ValueError as error:
@@ -241,6 +245,7 @@ def loading_context(args: argparse.Namespace):
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         loading=Loading(),
         model_label=args.model_revision,
+        role=args.role,
     )
 
 

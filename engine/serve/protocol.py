@@ -71,6 +71,15 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class DisaggregatedParams(_Request):
+    """Disaggregated prefill/decode (what a router sends): `context_only` runs the prompt and
+    answers the first token with a `kv_handle`; `kv_handle` continues from one."""
+
+    context_only: bool = False
+    kv_handle: dict | None = None
+    fallback: Literal["error", "local"] = "error"
+
+
 class _SamplingFields(_Request):
     """What completions and chat completions share."""
 
@@ -99,6 +108,7 @@ class _SamplingFields(_Request):
         description="prefix-cache reuse only among requests with the same salt (a tenant's secret); "
         f"at most {MAX_CACHE_SALT_BYTES} bytes in UTF-8",
     )
+    disaggregated: DisaggregatedParams | None = None
 
 
 def _prompt_shape(value: object) -> str | None:
@@ -204,6 +214,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_handle: dict | None = None  # a context-only request's
 
 
 class TopLogprob(BaseModel):
@@ -240,6 +251,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_handle: dict | None = None  # a context-only request's
 
 
 class ChatStreamChoice(BaseModel):
