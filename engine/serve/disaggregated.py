@@ -51,7 +51,7 @@ def engine_split(
             raise bad_request("a context-only request answers once: stream must be false", "stream")
         return ContextOnly()
     try:
-        return GenerationOnly(handle_from_dict(handle), fallback=split.fallback)
+        return GenerationOnly(handle_from_dict(handle), fallback=split.fallback, timeout=split.timeout)
     except ValueError as error:
         raise bad_request(f"disaggregated.kv_handle: {error}", "disaggregated") from None
 

@@ -78,6 +78,7 @@ class DisaggregatedParams(_Request):
     context_only: bool = False
     kv_handle: dict | None = None
     fallback: Literal["error", "local"] = "error"
+    timeout: float = Field(30.0, gt=0, le=3600, description="seconds for the KV transfer")
 
 
 class _SamplingFields(_Request):

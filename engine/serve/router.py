@@ -19,6 +19,10 @@ import logging
 import os
 import uuid
 
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from berth.engine.serve.arguments import fail
 
 logger = logging.getLogger(__name__)
@@ -44,11 +48,7 @@ def parse_routes(values: list[str]) -> dict[str, list[str]]:
     return routes
 
 
-def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout: float = 600.0):
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
+def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout: float = 600.0) -> FastAPI:
     app = FastAPI(title="berth router", description="Disaggregated prefill and decode over berth servers.")
     turns = {role: itertools.cycle(urls) for role, urls in routes.items()}
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10))
@@ -155,8 +155,6 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
 
 def _whole_answer(answered: dict, body: dict):
     """The context server's answer as the client asked for it (a stream of one chunk, or JSON)."""
-    from fastapi.responses import JSONResponse, StreamingResponse
-
     if not body.get("stream"):
         return JSONResponse(answered)
     chunk = dict(answered)
@@ -196,7 +194,9 @@ def run_router(args: argparse.Namespace) -> int:
             app,
             sock,
             on_signal=lambda: None,
-            on_started=lambda: print(f"berth serve: listening on {url} (router)", flush=True),
+            on_started=lambda: print(
+                f"berth serve: routing to {routes}\nberth serve: listening on {url}", flush=True
+            ),
             is_idle=lambda: app.state.in_flight == 0,
             on_timeout=lambda: None,
             shutdown_timeout=args.shutdown_timeout,

@@ -46,6 +46,7 @@ class ServerProcess:
         startup_timeout: float = 60,
         command: str = "serve",
         preexec_fn: Callable[[], None] | None = None,
+        router: bool = False,
     ) -> None:
         self.api_key = api_key
         self.admin_token = admin_token
@@ -77,7 +78,8 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
-        self.engine_pid: int = self.admin_state()["engine_pid"]
+        # A router (`berth serve --route`) has no engine of its own.
+        self.engine_pid: int | None = None if router else self.admin_state()["engine_pid"]
 
     def _read_output(self) -> None:
         for line in self.process.stdout:

@@ -1,0 +1,138 @@
+"""Disaggregated serving over real processes: a context server (`--role context`), a generation
+server (`--role generation`, another KV block size) and the router (`berth serve --route`), each
+a `berth serve` process. Answers through the router equal a single server's (plain, streamed,
+chat, stop strings); roles refuse what is not theirs; a context server killed after prefill
+fails the request clearly and the generation server keeps no block."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+
+import httpx
+import pytest
+
+from tests.serve.server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess
+from tests.support.engine_processes import pid_alive, wait_until
+
+KEY = {"BERTH_KV_TRANSFER_KEY": secrets.token_hex(32)}
+PROMPTS = [[5, 6, 7], list(range(20, 57)), list(range(100, 118))]
+
+
+def engine_server(tiny_model, *args: str) -> ServerProcess:
+    return ServerProcess(tiny_model, *ENGINE_ARGS, "--served-model-name", MODEL_NAME, *args, env=KEY)
+
+
+@pytest.fixture(scope="module")
+def split(tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kv")
+    servers = []
+    try:
+        servers.append(
+            engine_server(tiny_model, "--role", "context", "--kv-transfer-endpoint", f"ipc://{folder}/kv")
+        )
+        servers.append(engine_server(tiny_model, "--role", "generation", "--kv-block-size", "8"))
+        context, generation = servers
+        routes = ("--route", f"context={context.url}", "--route", f"generation={generation.url}")
+        servers.append(ServerProcess(None, *routes, router=True))
+        yield servers
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+def complete(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions", json={"model": MODEL_NAME, **body}, headers=headers, timeout=60
+    )
+
+
+def streamed_text(url: str, path: str, body: dict) -> str:
+    text = []
+    with httpx.stream(
+        "POST", url + path, json={"model": MODEL_NAME, "stream": True, **body}, timeout=60
+    ) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(text)
+
+
+def test_answers_through_the_router_equal_a_single_servers(split, server):
+    router = split[2]
+    plain = {"Authorization": f"Bearer {API_KEY}"}
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        expected = complete(server.url, body, plain).json()["choices"][0]
+        routed = complete(router.url, body)
+        assert routed.status_code == 200, routed.text
+        assert routed.json()["choices"][0]["text"] == expected["text"]
+        assert "kv_handle" not in routed.json() or routed.json()["kv_handle"] is None
+        assert streamed_text(router.url, "/v1/completions", body) == expected["text"]
+    body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = complete(server.url, body, plain).json()["choices"][0]["text"]
+    body["stop"] = [whole[len(whole) // 2 :][:2]]
+    expected = complete(server.url, body, plain).json()["choices"][0]
+    routed = complete(router.url, body).json()["choices"][0]
+    assert (routed["text"], routed["finish_reason"]) == (expected["text"], "stop"), (whole, body["stop"])
+    chat = {
+        "messages": [{"role": "user", "content": "the quick brown fox"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    expected = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"model": MODEL_NAME, **chat}, headers=plain, timeout=60
+    )
+    assert (
+        streamed_text(router.url, "/v1/chat/completions", chat)
+        == expected.json()["choices"][0]["message"]["content"]
+    )
+
+
+def test_the_two_halves_share_the_request_id_in_their_logs(split):
+    context, generation, router = split
+    reply = complete(router.url, {"prompt": [9, 10, 11, 12], "max_tokens": 4}, {"X-Request-Id": "trace-42"})
+    assert reply.status_code == 200, reply.text
+    for server in (context, generation):
+        assert "trace-42: engine request" in server.output, server.output[-2000:]
+
+
+def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_n(split):
+    context, generation, router = split
+    body = {"prompt": [5, 6, 7], "max_tokens": 4}
+    for server in (context, generation):
+        reply = complete(server.url, body)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "wrong_role", reply.text
+    reply = complete(router.url, {**body, "n": 2})
+    assert reply.status_code == 400 and "send n requests" in reply.json()["error"]["message"]
+    ended = complete(router.url, {**body, "max_tokens": 1})  # the context server's answer is the whole answer
+    assert ended.status_code == 200 and ended.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_context_server_killed_after_prefill_fails_the_request_and_leaks_nothing(
+    split, tiny_model, tmp_path
+):
+    _, generation, _ = split
+    doomed = engine_server(tiny_model, "--role", "context", "--kv-transfer-endpoint", f"ipc://{tmp_path}/kv")
+    try:
+        first = complete(
+            doomed.url, {"prompt": PROMPTS[1], "max_tokens": 8, "disaggregated": {"context_only": True}}
+        )
+        handle = first.json()["kv_handle"]
+        assert handle is not None and handle["num_tokens"] == len(PROMPTS[1])
+        os.kill(doomed.engine_pid, signal.SIGKILL)  # the engine, which holds the pinned blocks
+        assert wait_until(lambda: not pid_alive(doomed.engine_pid), 10)
+        body = {"prompt": PROMPTS[1], "max_tokens": 8, "disaggregated": {"kv_handle": handle, "timeout": 1.0}}
+        failed = complete(generation.url, body)
+        assert failed.status_code >= 400, failed.text
+        assert "did not answer within the transfer timeout" in failed.json()["error"]["message"]
+        body["disaggregated"]["fallback"] = "local"  # or the generation server runs the prompt itself
+        assert complete(generation.url, body).status_code == 200
+        state = generation.admin_state()
+        assert state["kv_blocks_used"] == 0, state
+    finally:
+        doomed.stop()
