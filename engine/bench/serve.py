@@ -28,6 +28,12 @@ to an engine whose owner runs N postprocess workers, spread over K frontends att
 `--batch-wait-timeout-ms MS` (and `--batch-wait-max-tokens-ratio R`) measures the enqueue
 window the same way: the workload runs on a server without it, then on one with it, and the
 throughput and TTFT of the two are printed side by side.
+
+`--disaggregated` runs it on disaggregated serving too: a context server (`--role context`),
+a generation server (`--role generation`) and the router (`berth serve --route`) in front of
+them, each with the engine options of the single server; TTFT and ITL percentiles of the two
+shapes side by side. On one machine the two engines share its cores: this measures what the
+split costs there, not what it gains on separate GPUs.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -115,6 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and compare with the window off",
     )
     parser.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="then run it through a router over a context and a generation server, and compare",
+    )
+    parser.add_argument(
         "--batch-wait-max-tokens-ratio",
         type=float,
         metavar="RATIO",
@@ -140,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     )
     api_key = args.api_key or os.environ.get("BERTH_API_KEY") or None
     shapes = [Shape("single-process server", 0, 0)]
-    if args.batch_wait_timeout_ms:
+    if args.disaggregated:
+        shapes.append(Shape("context + generation servers behind the router", 0, 0, disaggregated=True))
+    elif args.batch_wait_timeout_ms:
         shapes.append(_window_shape(args))
     elif args.frontends or args.num_postprocess_workers:
         shapes.append(
@@ -179,6 +193,7 @@ class Shape:
     frontends: int  # attached frontends the load is spread over (0: the owner takes it)
     postprocess_workers: int
     engine_args: tuple[str, ...] = ()  # more `berth serve` options
+    disaggregated: bool = False  # a context and a generation server behind a router
 
 
 def _window_shape(args: argparse.Namespace) -> Shape:
@@ -212,6 +227,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"{flag} must be >= 0, got {value}"
         if value and args.base_url:
             return f"{flag} starts servers of its own: it cannot measure --base-url"
+    if args.disaggregated and (args.base_url or args.frontends or args.num_postprocess_workers):
+        return "--disaggregated starts servers of its own: no --base-url, --frontends or postprocess workers"
+    if args.disaggregated and args.batch_wait_timeout_ms is not None:
+        return "--disaggregated and --batch-wait-timeout-ms are two comparisons: run them one at a time"
     window = args.batch_wait_timeout_ms
     if window is not None:
         if not 0 < window <= 1000:
@@ -246,6 +265,10 @@ def _servers(args: argparse.Namespace, shape: Shape) -> Iterator[list[str]]:
     if shape.frontends:
         owner += ["--attach-port", "0"]
     env = dict(os.environ, BERTH_ENGINE_KEY=secrets.token_hex(32))  # this run's engine key
+    if shape.disaggregated:
+        with _split_servers(owner, env) as url:
+            yield [url]
+        return
     with ExitStack() as stack:
         name = f"berth serve ({shape.label}, max batch size {args.batch_size}, dtype {args.dtype})"
         lines = stack.enter_context(_server_process(owner, env, name))
@@ -264,6 +287,26 @@ def _servers(args: argparse.Namespace, shape: Shape) -> Iterator[list[str]]:
                 _announced(stack.enter_context(_server_process(frontend, env, f"frontend {i}")), LISTENING)
             )
         yield urls
+
+
+@contextmanager
+def _split_servers(server: list[str], env: dict[str, str]) -> Iterator[str]:
+    """A context server and a generation server (`server` with a role each), and the router in
+    front of them: its URL."""
+    with ExitStack() as stack:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="berth-bench-"))
+        context = [*server, "--role", "context", "--kv-transfer-endpoint", f"ipc://{folder}/kv"]
+        urls = {}
+        for role, command in (("context", context), ("generation", [*server, "--role", "generation"])):
+            urls[role] = _announced(
+                stack.enter_context(_server_process(command, env, f"{role} server")), LISTENING
+            )
+        router = [
+            sys.executable, "-m", "berth", "serve", "--host", "127.0.0.1", "--port", "0",
+            "--log-level", "warning", "--route", f"context={urls['context']}",
+            "--route", f"generation={urls['generation']}",
+        ]  # fmt: skip
+        yield _announced(stack.enter_context(_server_process(router, env, "router")), LISTENING)
 
 
 def _announced(lines: list[str], prefix: str) -> str:
@@ -533,14 +576,15 @@ def _report_shapes(measured: list[tuple[Shape, float, list[RequestResult]]]) -> 
     ratio = throughput(duration, results) / throughput(base_duration, base)
     print(f"{'Output throughput ratio (shape / single):':<44}{ratio:>8.2f}")
     print(f"{'Median TTFT ratio (shape / single):':<44}{median_ttft(results) / median_ttft(base):>8.2f}")
-    if shape.engine_args:  # the same server with other options: the figures side by side
-        print(f"{'':<28}{'without':>12}{'with':>12}")
+    if shape.engine_args or shape.disaggregated:  # the figures side by side
+        print(f"{'':<28}{'single':>12}{'shape':>12}")
         print(f"{'Output throughput (tok/s):':<28}{throughput(base_duration, base):>12.2f}"
               f"{throughput(duration, results):>12.2f}")  # fmt: skip
-        for stat in ("Median", "P90", "P99"):
-            before = _percentiles([r.ttft for r in base if r.ok])[stat]
-            after = _percentiles([r.ttft for r in results if r.ok])[stat]
-            print(f"{f'{stat} TTFT (ms):':<28}{1000 * before:>12.2f}{1000 * after:>12.2f}")
+        for short, of in (("TTFT", lambda r: [r.ttft]), ("ITL", lambda r: r.itls)):
+            before = _percentiles([v for r in base if r.ok for v in of(r)])
+            after = _percentiles([v for r in results if r.ok for v in of(r)])
+            for stat in ("Median", "P90", "P99"):
+                print(f"{f'{stat} {short} (ms):':<28}{1000 * before[stat]:>12.2f}{1000 * after[stat]:>12.2f}")
     print("-" * 52)
 
 

@@ -131,3 +131,27 @@ def test_bench_serve_compares_the_enqueue_window_on_and_off_in_one_run(tiny_mode
     assert side_by_side, result.stdout
     assert all(float(value) > 0 for value in side_by_side.groups())
     assert re.search(r"^Output throughput \(tok/s\):\s+[\d.]+\s+[\d.]+$", result.stdout, re.MULTILINE)
+
+
+def test_bench_serve_compares_disaggregated_serving_with_one_server(tiny_model):
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "6",
+            "--input-len", "4", "24", "--output-len", "4", "8", "--batch-size", "8", "--skip-offline",
+            "--disaggregated",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    single, split = result.stdout.split(" Serving Benchmark Result: ")[1:]
+    assert split.startswith("context + generation servers behind the router")
+    for section in (single, split):
+        assert figure(section, "Successful requests") == 6 and figure(section, "Failed requests") == 0
+    for server in ("context server", "generation server", "router"):
+        assert f"server: {server} (pid" in result.stdout
+    for label in ("Median TTFT", "P99 TTFT", "Median ITL", "P99 ITL"):
+        side_by_side = re.search(rf"^{label} \(ms\):\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.MULTILINE)
+        assert side_by_side and all(float(value) > 0 for value in side_by_side.groups()), result.stdout
