@@ -79,6 +79,7 @@ class Disaggregation:
         self._client: KVTransferClient | None = None
         self.num_pins_expired = 0
         self.num_transfers_failed = 0
+        self.pins_changed = False  # since the loop last reported: its stats must say so
 
     # ---- context side ---------------------------------------------------------------------------
 
@@ -95,6 +96,7 @@ class Disaggregation:
         """Takes the finished sequence's blocks (so retiring it frees none) under a new id."""
         disagg_id = secrets.token_hex(16)
         num_tokens = sequence.num_prompt_tokens
+        self.pins_changed = True
         self.pins[disagg_id] = _Pin(
             sequence.block_ids, num_tokens, time.monotonic() + spec.pin_seconds, sequence.request_id
         )
@@ -140,6 +142,7 @@ class Disaggregation:
     def _unpin(self, disagg_id: str, why: str) -> None:
         pin = self.pins.pop(disagg_id, None)
         if pin is not None:
+            self.pins_changed = True
             self._engine.kv_cache.pool.free(reversed(pin.block_ids))
             logger.info("request %d: pinned KV blocks %s freed (%s)", pin.request_id, disagg_id, why)
 

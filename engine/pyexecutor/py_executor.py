@@ -197,8 +197,14 @@ class PyExecutor:
                 # While it has work the loop speaks at least every heartbeat, even if no step
                 # answered anyone (non-streamed requests): the stall watchdog hears it step.
                 heartbeat = self.scheduler.has_work() and time.monotonic() - spoke >= heartbeat_seconds
-                if responses or self.transitions.state_changed or heartbeat:
-                    self.transitions.state_changed = False
+                # A pin released or expired frees blocks without a step: the stats say so too.
+                if (
+                    responses
+                    or self.transitions.state_changed
+                    or heartbeat
+                    or self.disaggregation.pins_changed
+                ):
+                    self.transitions.state_changed = self.disaggregation.pins_changed = False
                     on_responses(responses, self.stats())
                     spoke = time.monotonic()
                 # After the turn's responses: whoever waits for a sleep hears of the requests it

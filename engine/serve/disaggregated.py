@@ -49,7 +49,7 @@ def engine_split(
     if context_only:
         if body.stream:
             raise bad_request("a context-only request answers once: stream must be false", "stream")
-        return ContextOnly()
+        return ContextOnly(pin_seconds=split.pin_seconds)
     try:
         return GenerationOnly(handle_from_dict(handle), fallback=split.fallback, timeout=split.timeout)
     except ValueError as error:

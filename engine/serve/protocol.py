@@ -79,6 +79,7 @@ class DisaggregatedParams(_Request):
     kv_handle: dict | None = None
     fallback: Literal["error", "local"] = "error"
     timeout: float = Field(30.0, gt=0, le=3600, description="seconds for the KV transfer")
+    pin_seconds: float = Field(30.0, gt=0, le=3600, description="context-only: how long the KV waits")
 
 
 class _SamplingFields(_Request):

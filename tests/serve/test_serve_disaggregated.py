@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -136,3 +137,23 @@ def test_a_context_server_killed_after_prefill_fails_the_request_and_leaks_nothi
         assert state["kv_blocks_used"] == 0, state
     finally:
         doomed.stop()
+
+
+def test_a_generation_engine_killed_mid_pull_leaves_no_pin_on_the_context_server(split):
+    """The last test of the module: it kills the shared generation server's engine. Whether it
+    died before, during or after its pull, the context server's blocks come back (released, or
+    by the pin's timeout), and the client hears an error, not silence."""
+    context, generation, router = split
+    body = {"prompt": PROMPTS[1], "max_tokens": 8}
+    first = complete(context.url, {**body, "disaggregated": {"context_only": True, "pin_seconds": 2.0}})
+    continuation = {**body, "disaggregated": {"kv_handle": first.json()["kv_handle"]}}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(complete, generation.url, continuation)
+        os.kill(generation.engine_pid, signal.SIGKILL)
+        try:
+            reply = answer.result(timeout=60)
+            assert reply.status_code != 200 or reply.json()["choices"][0]["finish_reason"] is not None
+        except httpx.HTTPError:
+            pass  # the server may close the connection: an answer all the same
+    assert wait_until(lambda: context.admin_state()["kv_blocks_used"] == 0, 20), context.admin_state()
+    assert complete(router.url, body).status_code >= 500  # the route's generation half is dead, and says so
