@@ -22,6 +22,9 @@ FALLBACKS = ("error", "local")
 
 @dataclass(frozen=True)
 class ContextOnly:
+    """The output ends after the first token (finish_reason "length", or "stop" if that token
+    ended the request: then there is no handle, nothing is left to generate)."""
+
     pin_seconds: float = 30.0  # how long the KV blocks wait for a generation engine to pull them
 
     def validate(self) -> None:

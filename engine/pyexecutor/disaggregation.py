@@ -83,7 +83,7 @@ class Disaggregation:
 
     # ---- context side ---------------------------------------------------------------------------
 
-    def check_context_only(self, request_id: int, n: int) -> None:
+    def check_context_only(self, n: int) -> None:
         if self.server is None:
             raise RequestError(
                 "this engine serves no KV transfers: start it with a KV transfer endpoint "
@@ -267,9 +267,9 @@ class Disaggregation:
         if pull.spec.fallback == "local":
             engine.scheduler.pending.discard(sequence)
             engine.kv_cache.free(sequence)
-            del sequence.token_ids[sequence.num_prompt_tokens :]
-            sequence.reset_for_recompute()
-            sequence.num_preemptions -= 1  # not a preemption
+            del sequence.token_ids[sequence.num_prompt_tokens :]  # the first token is sampled here
+            sequence.num_computed_tokens = 0
+            sequence.state = SequenceState.WAITING
             engine.scheduler.add([sequence])
             return []
         message = f"KV transfer from the context engine ({handle.address}) failed: {error}"

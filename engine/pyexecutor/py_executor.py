@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from berth.engine.config import EngineConfig
-from berth.engine.disaggregation import ContextOnly, GenerationOnly
+from berth.engine.disaggregation import ContextOnly, GenerationOnly, KVHandle
 from berth.engine.engine_io import (
     AbortRequest,
     EngineLimits,
@@ -363,9 +363,10 @@ class PyExecutor:
         for sequence in group:
             sequence.streaming = request.streaming or bool(params.stop_strings)
         if isinstance(request.disaggregated, ContextOnly):
-            self.disaggregation.check_context_only(request.request_id, params.n)
-            sequence.context_only = (request.disaggregated, sequence.max_tokens)
-            sequence.max_tokens = 1  # the first token, then the pin
+            self.disaggregation.check_context_only(params.n)
+            (only,) = group
+            only.context_only = (request.disaggregated, only.max_tokens)
+            only.max_tokens = 1  # the first token, then the pin
         return group
 
     # ---- finishing -----------------------------------------------------------------------------
@@ -406,7 +407,7 @@ class PyExecutor:
         sequence.unsent_logprobs = []
         return response
 
-    def _pin(self, sequence: Sequence):
+    def _pin(self, sequence: Sequence) -> KVHandle | None:
         """A context-only sequence that ended after its first token, with more to generate:
         its blocks are pinned for a generation engine, and its response carries the handle."""
         spec, max_tokens = sequence.context_only
