@@ -53,17 +53,21 @@ def workload(llm: LLM, seed: int, count: int) -> None:
         result.result()
 
 
-def test_a_subscriber_rebuilds_the_cache_from_events_and_a_late_one_from_a_snapshot(tiny_model):
-    with LLM(
-        tiny_model,
+def publishing_engine(model, **options) -> LLM:
+    """A small pool (24 blocks of 4 tokens: the workloads evict), publishing on free ports."""
+    return LLM(
+        model,
         executor="in-process",
         kv_cache_blocks=24,
         kv_block_size=BLOCK,
-        max_batch_size=6,
         kv_events_endpoint="tcp://127.0.0.1:*",
         kv_events_snapshot_endpoint="tcp://127.0.0.1:*",
-        kv_events_engine_id="engine-under-test",
-    ) as llm:
+        **options,
+    )
+
+
+def test_a_subscriber_rebuilds_the_cache_from_events_and_a_late_one_from_a_snapshot(tiny_model):
+    with publishing_engine(tiny_model, max_batch_size=6, kv_events_engine_id="engine-under-test") as llm:
         engine = llm.executor.engine
         publisher = engine.kv_events
         early = KVEventSubscriber(publisher.endpoint, publisher.snapshot_endpoint)
@@ -101,14 +105,7 @@ def test_a_subscriber_rebuilds_the_cache_from_events_and_a_late_one_from_a_snaps
 
 def test_a_lost_batch_is_noticed_and_repaired_from_a_snapshot(tiny_model):
     """A subscriber that missed batches (it was not listening) resynchronizes on the next one."""
-    with LLM(
-        tiny_model,
-        executor="in-process",
-        kv_cache_blocks=24,
-        kv_block_size=BLOCK,
-        kv_events_endpoint="tcp://127.0.0.1:*",
-        kv_events_snapshot_endpoint="tcp://127.0.0.1:*",
-    ) as llm:
+    with publishing_engine(tiny_model) as llm:
         publisher = llm.executor.engine.kv_events
         subscriber = KVEventSubscriber(publisher.endpoint, publisher.snapshot_endpoint)
         try:

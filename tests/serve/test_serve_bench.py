@@ -109,12 +109,12 @@ def test_bench_serve_refuses_frontends_against_a_given_server(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
 
 
-def test_bench_serve_compares_the_enqueue_window_on_and_off_in_one_run(tiny_model):
+def bench_against_one_server(model, num_requests: int, *args: str) -> str:
+    """`berth bench serve` of a small workload, compared with one server (`args` say how): stdout."""
     result = subprocess.run(
         [
-            sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "8",
-            "--input-len", "4", "8", "--output-len", "4", "8", "--batch-size", "8", "--skip-offline",
-            "--request-rate", "40", "--batch-wait-timeout-ms", "20", "--batch-wait-max-tokens-ratio", "0.5",
+            sys.executable, "-m", "berth", "bench", "serve", str(model), "--num-requests", str(num_requests),
+            "--input-len", "4", "24", "--output-len", "4", "8", "--batch-size", "8", "--skip-offline", *args,
         ],
         capture_output=True,
         text=True,
@@ -122,36 +122,39 @@ def test_bench_serve_compares_the_enqueue_window_on_and_off_in_one_run(tiny_mode
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "server: berth serve (enqueue window 20 ms, token ratio 0.5," in result.stdout
-    off, on = result.stdout.split(" Serving Benchmark Result: ")[1:]
+    return result.stdout
+
+
+def test_bench_serve_compares_the_enqueue_window_on_and_off_in_one_run(tiny_model):
+    stdout = bench_against_one_server(
+        tiny_model,
+        8,
+        "--request-rate",
+        "40",
+        "--batch-wait-timeout-ms",
+        "20",
+        "--batch-wait-max-tokens-ratio",
+        "0.5",
+    )
+    assert "server: berth serve (enqueue window 20 ms, token ratio 0.5," in stdout
+    off, on = stdout.split(" Serving Benchmark Result: ")[1:]
     assert off.startswith("single-process server") and on.startswith("enqueue window 20 ms, token ratio 0.5")
     for section in (off, on):
         assert figure(section, "Successful requests") == 8 and figure(section, "Failed requests") == 0
-    side_by_side = re.search(r"^Median TTFT \(ms\):\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.MULTILINE)
-    assert side_by_side, result.stdout
+    side_by_side = re.search(r"^Median TTFT \(ms\):\s+([\d.]+)\s+([\d.]+)$", stdout, re.MULTILINE)
+    assert side_by_side, stdout
     assert all(float(value) > 0 for value in side_by_side.groups())
-    assert re.search(r"^Output throughput \(tok/s\):\s+[\d.]+\s+[\d.]+$", result.stdout, re.MULTILINE)
+    assert re.search(r"^Output throughput \(tok/s\):\s+[\d.]+\s+[\d.]+$", stdout, re.MULTILINE)
 
 
 def test_bench_serve_compares_disaggregated_serving_with_one_server(tiny_model):
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "6",
-            "--input-len", "4", "24", "--output-len", "4", "8", "--batch-size", "8", "--skip-offline",
-            "--disaggregated",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    single, split = result.stdout.split(" Serving Benchmark Result: ")[1:]
+    stdout = bench_against_one_server(tiny_model, 6, "--disaggregated")
+    single, split = stdout.split(" Serving Benchmark Result: ")[1:]
     assert split.startswith("context + generation servers behind the router")
     for section in (single, split):
         assert figure(section, "Successful requests") == 6 and figure(section, "Failed requests") == 0
     for server in ("context server", "generation server", "router"):
-        assert f"server: {server} (pid" in result.stdout
+        assert f"server: {server} (pid" in stdout
     for label in ("Median TTFT", "P99 TTFT", "Median ITL", "P99 ITL"):
-        side_by_side = re.search(rf"^{label} \(ms\):\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.MULTILINE)
-        assert side_by_side and all(float(value) > 0 for value in side_by_side.groups()), result.stdout
+        side_by_side = re.search(rf"^{label} \(ms\):\s+([\d.]+)\s+([\d.]+)$", stdout, re.MULTILINE)
+        assert side_by_side and all(float(value) > 0 for value in side_by_side.groups()), stdout
