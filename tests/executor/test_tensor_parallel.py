@@ -6,6 +6,7 @@ world outlives its test."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from berth.engine import LLM, SamplingParams
+from berth.engine import LLM, GenerationOnly, KVHandle, RequestError, SamplingParams
+from berth.engine.disaggregation import KVLayout, prompt_digest
 from berth.engine.executor import EngineDeadError
 from berth.engine.executor.errors import WorkerDiedError
 from berth.engine.models.config import ModelConfig
@@ -46,9 +48,15 @@ def test_greedy_tokens_of_a_world_equal_one_rank_and_transformers(checkpoint, si
     with LLM(path, executor="in-process", **ENGINE) as one_rank:
         prompts = prompts_of_many_lengths(one_rank.tokenizer, PROMPT_LENGTHS)
         expected = [output.outputs[0].token_ids for output in one_rank.generate(prompts, params)]
-    with LLM(path, tensor_parallel_size=size, **ENGINE) as world:
+    with LLM(path, tensor_parallel_size=size, kv_transfer_key=secrets.token_hex(16), **ENGINE) as world:
         assert sorted(rank_pids(world)) == list(range(size))
         outputs = world.generate(prompts, params)
+        # Disaggregated requests are refused by a world, clearly (each rank holds other heads).
+        handle = KVHandle(
+            "tcp://127.0.0.1:9", "id", (0,), 1, 5, prompt_digest([5]), KVLayout("float32", 16, 2, 2, 16, 1), 0
+        )
+        with pytest.raises(RequestError, match=f"need tensor_parallel_size 1 \\(this engine has {size}\\)"):
+            world.generate([[5]], params, disaggregated=GenerationOnly(handle))
         stats = world.executor.stats
         process = world.executor.world_process
     assert process.returncode == 0, "the ordered shutdown did not end every rank cleanly"

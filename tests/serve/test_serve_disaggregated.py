@@ -108,6 +108,8 @@ def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_n(split):
     for server in (context, generation):
         reply = complete(server.url, body)
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "wrong_role", reply.text
+    assert httpx.get(f"{router.url}/health", timeout=30).json() == {"healthy": True, "unhealthy": []}
+    assert httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_NAME
     reply = complete(router.url, {**body, "n": 2})
     assert reply.status_code == 400 and "send n requests" in reply.json()["error"]["message"]
     ended = complete(router.url, {**body, "max_tokens": 1})  # the context server's answer is the whole answer
@@ -157,3 +159,5 @@ def test_a_generation_engine_killed_mid_pull_leaves_no_pin_on_the_context_server
             pass  # the server may close the connection: an answer all the same
     assert wait_until(lambda: context.admin_state()["kv_blocks_used"] == 0, 20), context.admin_state()
     assert complete(router.url, body).status_code >= 500  # the route's generation half is dead, and says so
+    health = httpx.get(f"{router.url}/health", timeout=30)
+    assert health.status_code == 503 and health.json()["unhealthy"] == [generation.url]
