@@ -42,6 +42,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: ko
     settings.posting.event_name_prefix = "berth-"
     memo.kube = await Kube.connect(memo.get("kubeconfig"))
     memo.drift = reconcile.DriftMemory()
+    # Standalone: the only replica, so the one acting (alerts page when no replica leads).
+    metrics().leader.set(1)
     memo.http = httpx.AsyncClient()
     # The one replaceable function that turns a launcher pod into an address to poll.
     memo.setdefault("resolve_launcher_address", health.pod_address)
@@ -50,6 +52,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: ko
 
 @kopf.on.cleanup()
 async def close_clients(memo: kopf.Memo, **_: Any) -> None:
+    metrics().leader.set(0)
     if "http" in memo:
         await memo.http.aclose()
     if "kube" in memo:

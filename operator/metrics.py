@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import threading
 from collections import Counter as Tally
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from berth.operator.restarts import RestartPolicy, recent_restarts
 
 RECONCILE_RESULTS = ("success", "retry", "invalid")
 
@@ -63,6 +66,34 @@ class OperatorMetrics:
         self.worlds = Gauge(
             "berth_operator_worlds", "Worlds of all LLMDeployments by phase.", ["phase"], registry=registry
         )
+        # What the alert rules (manifests/monitoring/) read: per world, the restarts left before
+        # its budget is spent; the world a rollout stopped on; when each deployment's health
+        # loop last completed a round; whether this replica is the one acting.
+        self.restart_budget_remaining = Gauge(
+            "berth_operator_world_restart_budget_remaining",
+            "Restarts a world may still have inside spec.health.restartWindowSeconds (0: the next "
+            "death fails it).",
+            ["namespace", "deployment", "world"],
+            registry=registry,
+        )
+        self.rollout_failed = Gauge(
+            "berth_operator_rollout_failed",
+            "1 for the world a rollout stopped on (Failed, or not Ready in time); absent otherwise.",
+            ["namespace", "deployment", "world"],
+            registry=registry,
+        )
+        self.last_round = Gauge(
+            "berth_operator_last_health_round_timestamp_seconds",
+            "When the health loop of an LLMDeployment last completed a round (status written).",
+            ["namespace", "deployment"],
+            registry=registry,
+        )
+        self.leader = Gauge(
+            "berth_operator_leader",
+            "1 while this operator replica is the one acting, 0 otherwise.",
+            registry=registry,
+        )
+        self._world_series: dict[tuple[str, str], set[str]] = {}
         self._phases: dict[tuple[str, str], Tally[str]] = {}
         self._lock = threading.Lock()
 
@@ -79,10 +110,51 @@ class OperatorMetrics:
         for state, value in (("done", done), ("in_flight", in_flight), ("waiting", waiting)):
             self.rollout_worlds.labels(namespace, deployment, state).set(value)
 
+    def set_worlds(
+        self,
+        namespace: str,
+        deployment: str,
+        statuses: list[dict],
+        policy: RestartPolicy,
+        rollout_memory: dict,
+        now: dt.datetime,
+    ) -> None:
+        """One deployment's per-world series, from the world statuses of this round."""
+        worlds = {str(world["index"]) for world in statuses}
+        for gone in self._world_series.get((namespace, deployment), set()) - worlds:
+            with contextlib.suppress(KeyError):
+                self.restart_budget_remaining.remove(namespace, deployment, gone)
+        self._world_series[(namespace, deployment)] = worlds
+        for world in statuses:
+            recent = recent_restarts(world.get("restartTimes") or [], now, policy.window_seconds)
+            left = max(policy.max_restarts - len(recent), 0)
+            self.restart_budget_remaining.labels(namespace, deployment, str(world["index"])).set(left)
+        self._clear_rollout_failed(namespace, deployment)
+        failed = rollout_memory.get("failed")
+        if failed:
+            self.rollout_failed.labels(namespace, deployment, str(failed["world"])).set(1)
+
+    def round_done(self, namespace: str, deployment: str) -> None:
+        self.last_round.labels(namespace, deployment).set_to_current_time()
+
+    def _clear_rollout_failed(self, namespace: str, deployment: str) -> None:
+        for metric in self.rollout_failed.collect():
+            for sample in metric.samples:
+                labels = sample.labels
+                if (labels["namespace"], labels["deployment"]) == (namespace, deployment):
+                    with contextlib.suppress(KeyError):
+                        self.rollout_failed.remove(namespace, deployment, labels["world"])
+
     def forget(self, namespace: str, deployment: str) -> None:
         for state in ("done", "in_flight", "waiting"):
             with contextlib.suppress(KeyError):
                 self.rollout_worlds.remove(namespace, deployment, state)
+        for world in self._world_series.pop((namespace, deployment), set()):
+            with contextlib.suppress(KeyError):
+                self.restart_budget_remaining.remove(namespace, deployment, world)
+        self._clear_rollout_failed(namespace, deployment)
+        with contextlib.suppress(KeyError):
+            self.last_round.remove(namespace, deployment)
         with self._lock:
             self._phases.pop((namespace, deployment), None)
             self._publish()

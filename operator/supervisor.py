@@ -25,7 +25,7 @@ from berth.operator.credentials import unb64
 from berth.operator.health import AddressResolver, Probe, probe, resolve
 from berth.operator.kube import Conflict, Kube, KubeError
 from berth.operator.metrics import OperatorMetrics
-from berth.operator.restarts import format_time, parse_time
+from berth.operator.restarts import RestartPolicy, format_time, parse_time
 
 SETTLED_PHASES = ("Ready", "Failed", "Sleeping")
 FAST_INTERVAL = 2.0
@@ -209,6 +209,9 @@ class Supervisor:
         )
         ready = sum(1 for world in statuses if world.get("phase") == "Ready")
         self.metrics.set_world_phases(namespace, name, [world["phase"] for world in statuses])
+        self.metrics.set_worlds(
+            namespace, name, statuses, RestartPolicy.from_spec(spec.health), rolling.memory, now
+        )
         extra = {
             "sleepSchedule": evaluation.memory,
             "nextTransition": evaluation.next_transition,
@@ -222,6 +225,7 @@ class Supervisor:
         await self._write_status(
             body, previous_status, statuses + retiring, conds, phase, ready, spec.replicas, now, extra
         )
+        self.metrics.round_done(namespace, name)
         for (step, _, _), world_status in zip(steps, statuses):
             for event in step.events:
                 self.post_event(*event)

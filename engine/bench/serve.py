@@ -8,7 +8,8 @@ generating exactly its drawn number of tokens (`ignore_eos`). Requests start all
 Reported per request: TTFT (request sent -> first chunk with text), TPOT ((E2E - TTFT) /
 (output tokens - 1)), ITL (gaps between streamed chunks; a chunk is one engine step's text, so
 usually one token) and E2E latency; overall: request, output-token and total-token throughput.
-Then the latency of a small request (`GET /live`) on a kept-alive connection and on fresh ones:
+Then the latency of a small request (`GET /live`; `GET /v1/models` on a server without berth's
+`/live`, e.g. vLLM or llama.cpp's llama-server) on a kept-alive connection and on fresh ones:
 every OpenAI client reuses connections, and a server that lets Nagle's algorithm hold back its
 responses shows it there (~40 ms reused vs ~1 ms fresh).
 
@@ -54,6 +55,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from berth.engine.bench.workload import WorkItem, add_workload_arguments, describe_workload, make_workload
 
@@ -170,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             with _servers(args, shape) as urls:
                 duration, results = asyncio.run(_benchmark(args, urls, api_key, workload))
                 if not measured:
-                    keepalive = asyncio.run(_keepalive_latency(urls[0]))
+                    keepalive = asyncio.run(_keepalive_latency(urls[0], api_key))
             measured.append((shape, duration, results))
     except (RuntimeError, OSError) as error:
         print(f"berth bench serve: error: {error}", file=sys.stderr)
@@ -400,27 +402,35 @@ async def _benchmark(
         return time.perf_counter() - started, results
 
 
-async def _keepalive_latency(base_url: str) -> dict[str, float]:
-    """Median seconds of `GET /live`: on one kept-alive connection, and on a new one each time."""
+async def _keepalive_latency(base_url: str, api_key: str | None) -> dict[str, Any]:
+    """Median seconds of a small GET: on one kept-alive connection, and on a new one each time.
+    berth's `/live` where the server has it; elsewhere (vLLM, llama.cpp's llama-server, any
+    OpenAI-compatible server) `/v1/models`, a route every such server answers."""
     import httpx
 
-    async def median_of(client_for_each) -> float:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def client() -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=30)
+
+    async def median_of(client_for_each, route: str) -> float:
         seconds = []
         for _ in range(KEEPALIVE_PROBES):
-            client = client_for_each()
+            each = client_for_each()
             started = time.perf_counter()
-            response = await client.get("/live")
+            response = await each.get(route)
             seconds.append(time.perf_counter() - started)
             response.raise_for_status()
-            if client is not reused:
-                await client.aclose()
+            if each is not reused:
+                await each.aclose()
         return _percentiles(seconds)["Median"]
 
-    async with httpx.AsyncClient(base_url=base_url, timeout=30) as reused:
-        await reused.get("/live")  # the connection is open from here on
-        kept = await median_of(lambda: reused)
-        fresh = await median_of(lambda: httpx.AsyncClient(base_url=base_url, timeout=30))
-    return {"reused": kept, "fresh": fresh}
+    async with client() as reused:
+        # The connection is open from here on, whatever the first answer.
+        route = "/v1/models" if (await reused.get("/live")).status_code == 404 else "/live"
+        kept = await median_of(lambda: reused, route)
+        fresh = await median_of(client, route)
+    return {"route": route, "reused": kept, "fresh": fresh}
 
 
 async def _model_name(client) -> str:
@@ -588,8 +598,9 @@ def _report_shapes(measured: list[tuple[Shape, float, list[RequestResult]]]) -> 
     print("-" * 52)
 
 
-def _report_keepalive(medians: dict[str, float]) -> None:
-    print(f"{' Keep-alive request latency (GET /live) ':-^52}")
+def _report_keepalive(medians: dict[str, Any]) -> None:
+    title = f" Keep-alive request latency (GET {medians['route']}) "
+    print(f"{title:-^52}")
     print(f"{'Median, reused connection (ms):':<40}{1000 * medians['reused']:>12.2f}")
     print(f"{'Median, new connection (ms):':<40}{1000 * medians['fresh']:>12.2f}")
     print("-" * 52)

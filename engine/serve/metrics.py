@@ -1,5 +1,7 @@
-"""`/metrics`: Prometheus series named and meant like vLLM's (`vllm:` -> `berth:`), so its
-dashboards and alerts carry over. Every series is labelled with `model_name`.
+"""`/metrics`: Prometheus series named and meant like vLLM's (`vllm:` -> `berth_`), so its
+dashboards and alerts carry over by a change of prefix. Not `berth:`: Prometheus keeps colons
+for recording rules, and `promtool check metrics` refuses them in what a target exports.
+Every series is labelled with `model_name`.
 
 Latencies are measured where the client's experience is: in the server, from the moment a
 request is submitted to the engine. Inter-token latency, as vLLM means it, is the time
@@ -49,26 +51,26 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.num_requests_running = gauge("berth:num_requests_running", "Requests in the engine's batch.")
-        self.num_requests_waiting = gauge("berth:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("berth:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
-        self.engine_healthy = gauge("berth:engine_healthy", "1 while the engine lives, 0 once it is dead.")
+        self.num_requests_running = gauge("berth_num_requests_running", "Requests in the engine's batch.")
+        self.num_requests_waiting = gauge("berth_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("berth_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.engine_healthy = gauge("berth_engine_healthy", "1 while the engine lives, 0 once it is dead.")
         self._admission = Gauge(
-            "berth:engine_admission_state",
+            "berth_engine_admission_state",
             "1 for the engine's current admission state, 0 for the others.",
             ["model_name", "state"],
             registry=r,
         )
         self._admission_by_state = {s: self._admission.labels(model_name, s) for s in ADMISSION_STATES}
         transitions = Counter(
-            "berth:sleep_transitions",
+            "berth_sleep_transitions",
             "Admission transitions of sleep and wakeup, by the state reached.",
             ["model_name", "to"],
             registry=r,
         )
         self._transitions_to = {to: transitions.labels(model_name, to) for to in TRANSITION_TARGETS}
         durations = Histogram(
-            "berth:sleep_transition_duration_seconds",
+            "berth_sleep_transition_duration_seconds",
             "How long a sleep (drain included) or a wakeup took in the engine.",
             ["model_name", "transition"],
             buckets=LATENCY_BUCKETS,
@@ -78,45 +80,45 @@ class ServerMetrics:
             kind: durations.labels(model_name, kind) for kind in ("sleep", "wakeup")
         }
         # Memory: what the engine holds now, and how its KV pool was sized at start.
-        self.weight_bytes = gauge("berth:weight_bytes", "Bytes of weights the engine holds on its device.")
+        self.weight_bytes = gauge("berth_weight_bytes", "Bytes of weights the engine holds on its device.")
         self.kv_cache_bytes = gauge(
-            "berth:kv_cache_bytes", "Bytes of KV cache the engine holds now (0 while a sleep has freed it)."
+            "berth_kv_cache_bytes", "Bytes of KV cache the engine holds now (0 while a sleep has freed it)."
         )
-        self.kv_cache_blocks = gauge("berth:kv_cache_blocks", "Blocks in the KV pool.")
+        self.kv_cache_blocks = gauge("berth_kv_cache_blocks", "Blocks in the KV pool.")
         self.kv_cache_pool_bytes = gauge(
-            "berth:kv_cache_pool_bytes", "Bytes of the KV pool, as sized at start."
+            "berth_kv_cache_pool_bytes", "Bytes of the KV pool, as sized at start."
         )
         self.kv_cache_bytes_per_token = gauge(
-            "berth:kv_cache_bytes_per_token", "KV cache bytes one token of context takes."
+            "berth_kv_cache_bytes_per_token", "KV cache bytes one token of context takes."
         )
-        self.kv_cache_tokens = gauge("berth:kv_cache_tokens", "Tokens of context the KV pool holds.")
+        self.kv_cache_tokens = gauge("berth_kv_cache_tokens", "Tokens of context the KV pool holds.")
         self._memory_limit = Gauge(
-            "berth:memory_limit_bytes",
+            "berth_memory_limit_bytes",
             "The memory limit the KV pool was sized under, by where it came from (1 series).",
             ["model_name", "source"],
             registry=r,
         )
         self.engine_resident_bytes = gauge(
-            "berth:engine_resident_memory_bytes", "Resident memory of the engine's process (rank 0)."
+            "berth_engine_resident_memory_bytes", "Resident memory of the engine's process (rank 0)."
         )
-        self.num_preemptions = counter("berth:num_preemptions", "Sequences preempted (recomputed later).")
+        self.num_preemptions = counter("berth_num_preemptions", "Sequences preempted (recomputed later).")
         self.prefix_cache_queries = counter(
-            "berth:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            "berth_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_cache_hits = counter(
-            "berth:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again)."
+            "berth_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again)."
         )
-        self.prompt_tokens = counter("berth:prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("berth:generation_tokens", "Tokens generated for finished requests.")
+        self.prompt_tokens = counter("berth_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("berth_generation_tokens", "Tokens generated for finished requests.")
         self._request_success = Counter(
-            "berth:request_success",
+            "berth_request_success",
             "Finished sequences (one per choice: n=2 counts twice), by finish reason.",
             ["model_name", "finished_reason"],
             registry=r,
         )
         self._model_name = model_name
         request_errors = Counter(
-            "berth:request_errors",
+            "berth_request_errors",
             "Requests that failed alone on an internal error (the engine went on), by where.",
             ["model_name", "stage"],
             registry=r,
@@ -125,26 +127,26 @@ class ServerMetrics:
             request_errors.labels(model_name, stage)
         self._request_errors = request_errors
         self.request_prompt_tokens = histogram(
-            "berth:request_prompt_tokens", "Prompt length of finished requests.", TOKEN_COUNT_BUCKETS
+            "berth_request_prompt_tokens", "Prompt length of finished requests.", TOKEN_COUNT_BUCKETS
         )
         self.request_generation_tokens = histogram(
-            "berth:request_generation_tokens", "Tokens generated per finished request.", TOKEN_COUNT_BUCKETS
+            "berth_request_generation_tokens", "Tokens generated per finished request.", TOKEN_COUNT_BUCKETS
         )
         self.time_to_first_token = histogram(
-            "berth:time_to_first_token_seconds",
+            "berth_time_to_first_token_seconds",
             "From submission to the first generated token.",
             LATENCY_BUCKETS,
         )
         self.inter_token_latency = histogram(
-            "berth:inter_token_latency_seconds",
+            "berth_inter_token_latency_seconds",
             "Between consecutive engine steps that gave a request new tokens.",
             TOKEN_LATENCY_BUCKETS,
         )
         self.e2e_request_latency = histogram(
-            "berth:e2e_request_latency_seconds", "From submission to the last token.", LATENCY_BUCKETS
+            "berth_e2e_request_latency_seconds", "From submission to the last token.", LATENCY_BUCKETS
         )
         self.request_queue_time = histogram(
-            "berth:request_queue_time_seconds",
+            "berth_request_queue_time_seconds",
             "From arrival in the engine to first scheduled.",
             LATENCY_BUCKETS,
         )

@@ -14,6 +14,7 @@ import re
 import secrets
 import shutil
 import signal
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -117,7 +118,7 @@ def in_background(jobs: list[tuple[ServerProcess, dict]]) -> threading.Thread:
 def successes(server: ServerProcess) -> float:
     """Sequences this server has finished (its own /metrics)."""
     metrics = server.get("/metrics").text
-    return sum(float(v) for v in re.findall(r"^berth:request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
+    return sum(float(v) for v in re.findall(r"^berth_request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
 
 
 def running(owner: ServerProcess) -> int:
@@ -167,8 +168,14 @@ def test_a_frontend_serves_the_whole_api_for_the_owners_engine(world):
     assert a.get("/live").status_code == 200
     assert a.get("/health").json() == {"status": "ok"}
     metrics = a.get("/metrics").text
-    assert f'berth:num_requests_running{{model_name="{MODEL_NAME}"}}' in metrics
-    assert f'berth:engine_admission_state{{model_name="{MODEL_NAME}",state="running"}} 1.0' in metrics
+    assert f'berth_num_requests_running{{model_name="{MODEL_NAME}"}}' in metrics
+    assert f'berth_engine_admission_state{{model_name="{MODEL_NAME}",state="running"}} 1.0' in metrics
+    for server in (owner, a):  # what Prometheus scrapes passes its own linter
+        exported = server.get("/metrics").text
+        lint = subprocess.run(
+            ["promtool", "check", "metrics"], input=exported, capture_output=True, text=True, timeout=30
+        )
+        assert lint.returncode == 0, lint.stdout + lint.stderr
     state = a.admin_state()
     assert state["engine_pid"] == owner.engine_pid and state["admission"] == "running"
 

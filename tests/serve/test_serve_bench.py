@@ -3,9 +3,17 @@ the offline baseline, and prints vLLM-style figures and the served / offline rat
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 import subprocess
 import sys
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 REPORTED = (
     "Successful requests",
@@ -158,3 +166,80 @@ def test_bench_serve_compares_disaggregated_serving_with_one_server(tiny_model):
     for label in ("Median TTFT", "P99 TTFT", "Median ITL", "P99 ITL"):
         side_by_side = re.search(rf"^{label} \(ms\):\s+([\d.]+)\s+([\d.]+)$", stdout, re.MULTILINE)
         assert side_by_side and all(float(value) > 0 for value in side_by_side.groups()), stdout
+
+
+def openai_stub() -> FastAPI:
+    """A minimal OpenAI-compatible server that is not berth: `/v1/models` and streamed
+    `/v1/completions` behind an API key, no `/live` (as vLLM's or llama.cpp's)."""
+    app = FastAPI()
+    app.state.gets = []
+
+    def authorized(request: Request) -> bool:
+        return request.headers.get("authorization") == f"Bearer {STUB_KEY}"
+
+    @app.get("/v1/models")
+    def models(request: Request):
+        app.state.gets.append("/v1/models")
+        if not authorized(request):
+            return JSONResponse({"error": {"message": "no key"}}, status_code=401)
+        return {"object": "list", "data": [{"id": "stub", "object": "model", "owned_by": "test"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if not authorized(request):
+            return JSONResponse({"error": {"message": "no key"}}, status_code=401)
+        n = body["max_tokens"]
+
+        def chunk(**fields) -> str:
+            return "data: " + json.dumps({"id": "cmpl-stub", "object": "text_completion", **fields}) + "\n\n"
+
+        def events():
+            for i in range(n):
+                yield chunk(choices=[{"index": 0, "text": f" t{i}", "finish_reason": None}])
+            yield chunk(choices=[], usage={"prompt_tokens": len(body["prompt"]), "completion_tokens": n})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+STUB_KEY = "stub-key"
+
+
+def test_bench_serve_measures_a_server_that_is_not_berth(tiny_model):
+    """Its keep-alive probe falls back to `/v1/models` (with the API key) where `/live` is 404."""
+    app = openai_stub()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "the stub server did not start"
+            time.sleep(0.05)
+        result = subprocess.run(
+            [
+                sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "6",
+                "--input-len", "4", "8", "--output-len", "3", "6", "--skip-offline",
+                "--base-url", f"http://127.0.0.1:{port}", "--api-key", STUB_KEY,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert figure(result.stdout, "Successful requests") == 6 and figure(result.stdout, "Failed requests") == 0
+    assert "Keep-alive request latency (GET /v1/models)" in result.stdout
+    assert figure(result.stdout, "Median, reused connection (ms)") > 0
+    assert figure(result.stdout, "Median, new connection (ms)") > 0
+    # The model lookup, then the keep-alive probes: 1 to open the connection, 50 reused, 50 fresh.
+    assert app.state.gets.count("/v1/models") == 1 + 2 * 50

@@ -62,7 +62,7 @@ def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
         # machine the request could otherwise end before the reads below (seen in CI).
         os.kill(engine_pid, signal.SIGSTOP)
         alive = gauges(server)
-        assert alive["berth:num_requests_running"] == 1 and alive["berth:kv_cache_usage_perc"] > 0
+        assert alive["berth_num_requests_running"] == 1 and alive["berth_kv_cache_usage_perc"] > 0
         assert server.admin_state()["num_running"] == 1
 
         os.kill(engine_pid, signal.SIGKILL)
@@ -103,9 +103,9 @@ def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
         # A dead engine runs nothing and holds no blocks: no gauge keeps its last live value.
         assert (state["num_running"], state["num_waiting"], state["kv_blocks_used"]) == (0, 0, 0)
         dead = gauges(server)
-        assert dead["berth:engine_healthy"] == 0
-        assert dead["berth:num_requests_running"] == 0 and dead["berth:num_requests_waiting"] == 0
-        assert dead["berth:kv_cache_usage_perc"] == 0
+        assert dead["berth_engine_healthy"] == 0
+        assert dead["berth_num_requests_running"] == 0 and dead["berth_num_requests_waiting"] == 0
+        assert dead["berth_kv_cache_usage_perc"] == 0
         assert server.process.poll() is None
 
         server.terminate()

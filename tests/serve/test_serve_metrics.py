@@ -17,36 +17,36 @@ from tests.serve.server_process import ENGINE_ARGS, MODEL_NAME, ServerProcess
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 COUNTERS = (
-    "berth:request_success",
-    "berth:prompt_tokens",
-    "berth:generation_tokens",
-    "berth:num_preemptions",
-    "berth:prefix_cache_queries",
-    "berth:prefix_cache_hits",
-    "berth:sleep_transitions",
+    "berth_request_success",
+    "berth_prompt_tokens",
+    "berth_generation_tokens",
+    "berth_num_preemptions",
+    "berth_prefix_cache_queries",
+    "berth_prefix_cache_hits",
+    "berth_sleep_transitions",
 )
 HISTOGRAMS = (
-    "berth:time_to_first_token_seconds",
-    "berth:inter_token_latency_seconds",
-    "berth:e2e_request_latency_seconds",
-    "berth:request_queue_time_seconds",
-    "berth:request_prompt_tokens",
-    "berth:request_generation_tokens",
+    "berth_time_to_first_token_seconds",
+    "berth_inter_token_latency_seconds",
+    "berth_e2e_request_latency_seconds",
+    "berth_request_queue_time_seconds",
+    "berth_request_prompt_tokens",
+    "berth_request_generation_tokens",
 )
 GAUGES = (
-    "berth:num_requests_running",
-    "berth:num_requests_waiting",
-    "berth:kv_cache_usage_perc",
-    "berth:engine_healthy",
-    "berth:engine_admission_state",
-    "berth:weight_bytes",
-    "berth:kv_cache_bytes",
-    "berth:kv_cache_blocks",
-    "berth:kv_cache_pool_bytes",
-    "berth:kv_cache_tokens",
-    "berth:kv_cache_bytes_per_token",
-    "berth:memory_limit_bytes",
-    "berth:engine_resident_memory_bytes",
+    "berth_num_requests_running",
+    "berth_num_requests_waiting",
+    "berth_kv_cache_usage_perc",
+    "berth_engine_healthy",
+    "berth_engine_admission_state",
+    "berth_weight_bytes",
+    "berth_kv_cache_bytes",
+    "berth_kv_cache_blocks",
+    "berth_kv_cache_pool_bytes",
+    "berth_kv_cache_tokens",
+    "berth_kv_cache_bytes_per_token",
+    "berth_memory_limit_bytes",
+    "berth_engine_resident_memory_bytes",
 )
 
 
@@ -79,15 +79,15 @@ def test_the_exposition_has_vllms_series_each_labelled_with_the_model(server):
     families, samples = scrape(server)
     for name in COUNTERS:
         assert families[name].type == "counter", name
-    for name in (*HISTOGRAMS, "berth:sleep_transition_duration_seconds"):  # the last: per transition
+    for name in (*HISTOGRAMS, "berth_sleep_transition_duration_seconds"):  # the last: per transition
         assert families[name].type == "histogram", name
     for name in GAUGES:
         assert families[name].type == "gauge", name
     assert all(dict(labels)["model_name"] == MODEL_NAME for _, labels in samples)
     assert not any(name.endswith("_created") for name, _ in samples)
-    assert value(samples, "berth:engine_healthy") == 1
-    assert value(samples, "berth:engine_admission_state", state="running") == 1
-    assert value(samples, "berth:engine_admission_state", state="parked") == 0
+    assert value(samples, "berth_engine_healthy") == 1
+    assert value(samples, "berth_engine_admission_state", state="running") == 1
+    assert value(samples, "berth_engine_admission_state", state="parked") == 0
 
 
 def test_counters_move_by_exactly_the_requests_and_tokens_sent(server, client):
@@ -119,21 +119,21 @@ def test_counters_move_by_exactly_the_requests_and_tokens_sent(server, client):
     assert replies[0].usage.completion_tokens == 4 * 6
 
     for reason in ("length", "stop", "abort"):
-        assert delta(before, after, "berth:request_success_total", finished_reason=reason) == reasons[reason]
-    assert delta(before, after, "berth:prompt_tokens_total") == prompt_tokens
-    assert delta(before, after, "berth:generation_tokens_total") == generation_tokens
+        assert delta(before, after, "berth_request_success_total", finished_reason=reason) == reasons[reason]
+    assert delta(before, after, "berth_prompt_tokens_total") == prompt_tokens
+    assert delta(before, after, "berth_generation_tokens_total") == generation_tokens
     for name in HISTOGRAMS:
-        if name != "berth:inter_token_latency_seconds":
+        if name != "berth_inter_token_latency_seconds":
             assert delta(before, after, f"{name}_count") == engine_requests, name
-    assert delta(before, after, "berth:request_prompt_tokens_sum") == prompt_tokens
-    assert delta(before, after, "berth:request_generation_tokens_sum") == generation_tokens
+    assert delta(before, after, "berth_request_prompt_tokens_sum") == prompt_tokens
+    assert delta(before, after, "berth_request_generation_tokens_sum") == generation_tokens
     # One gap per engine step after a request's first that brought it tokens, however the
     # server consumed them: a step gives each of a request's sequences one token (the n=2
     # choices of a prompt step together), so each prompt's steps are its choices' length.
     steps = [6, 6, replies[1].usage.completion_tokens, 1]
-    assert delta(before, after, "berth:inter_token_latency_seconds_count") == sum(n - 1 for n in steps)
-    assert value(after, "berth:num_requests_running") == 0
-    assert value(after, "berth:num_requests_waiting") == 0
+    assert delta(before, after, "berth_inter_token_latency_seconds_count") == sum(n - 1 for n in steps)
+    assert value(after, "berth_num_requests_running") == 0
+    assert value(after, "berth_num_requests_waiting") == 0
 
 
 def test_the_prefix_cache_counts_its_queries_and_hits_and_admin_state_shows_cached_blocks(server, client):
@@ -142,9 +142,9 @@ def test_the_prefix_cache_counts_its_queries_and_hits_and_admin_state_shows_cach
     for _ in range(2):
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
     after = idle_samples(server)
-    assert delta(before, after, "berth:prefix_cache_queries_total") == 2 * len(prompt)
+    assert delta(before, after, "berth_prefix_cache_queries_total") == 2 * len(prompt)
     # The second request found the first one's blocks but the last (it computes its last token).
-    assert delta(before, after, "berth:prefix_cache_hits_total") == 2 * 16
+    assert delta(before, after, "berth_prefix_cache_hits_total") == 2 * 16
     state = server.admin_state()
     assert state["prefix_caching"] is True and state["kv_blocks_used"] == 0
     # Held by nobody, but cached (the shared server's pool may be full of them: new ones evict
@@ -160,7 +160,7 @@ def test_no_prefix_caching_computes_every_prompt_in_full(tiny_model):
                 "/v1/completions", {"prompt": list(range(400, 448)), "max_tokens": 1}
             ).is_success
         _, samples = scrape(server)
-        assert value(samples, "berth:prefix_cache_hits_total", model_name=str(tiny_model)) == 0
+        assert value(samples, "berth_prefix_cache_hits_total", model_name=str(tiny_model)) == 0
         state = server.admin_state()
         assert state["prefix_caching"] is False and state["kv_blocks_cached"] == 0
         assert "prefix caching off" in server.output
@@ -184,9 +184,9 @@ def test_a_client_leaving_mid_stream_aborts_its_request(server):
                 break  # and leave: the connection closes here
 
     after = idle_samples(server)  # within wait_idle's bound: nothing keeps generating for nobody
-    assert delta(before, after, "berth:request_success_total", finished_reason="abort") == n
-    assert delta(before, after, "berth:request_success_total", finished_reason="length") == 0
-    assert delta(before, after, "berth:generation_tokens_total") < n * max_tokens
+    assert delta(before, after, "berth_request_success_total", finished_reason="abort") == n
+    assert delta(before, after, "berth_request_success_total", finished_reason="length") == 0
+    assert delta(before, after, "berth_generation_tokens_total") < n * max_tokens
 
 
 def test_a_client_that_goes_away_from_a_whole_answer_aborts_its_request(server):
@@ -205,13 +205,13 @@ def test_a_client_that_goes_away_from_a_whole_answer_aborts_its_request(server):
     with socket.create_connection((url.host, url.port), timeout=10) as client:
         client.sendall(request)
         deadline = time.monotonic() + 30
-        while value(scrape(server)[1], "berth:num_requests_running") == 0:
+        while value(scrape(server)[1], "berth_num_requests_running") == 0:
             assert time.monotonic() < deadline, "the request never reached the engine"
             time.sleep(0.02)
 
     after = idle_samples(server)
-    assert delta(before, after, "berth:request_success_total", finished_reason="abort") == n
-    assert delta(before, after, "berth:generation_tokens_total") < n * max_tokens
+    assert delta(before, after, "berth_request_success_total", finished_reason="abort") == n
+    assert delta(before, after, "berth_generation_tokens_total") < n * max_tokens
 
 
 def test_memory_series_say_what_admin_state_says(server):
@@ -221,19 +221,19 @@ def test_memory_series_say_what_admin_state_says(server):
     samples = scrape(server)[1]
     plan = state["kv_cache"]
     assert plan["limit_source"] == "flag" and plan["num_blocks"] == 512 == state["kv_blocks_total"]
-    assert value(samples, "berth:kv_cache_blocks") == 512
-    assert value(samples, "berth:kv_cache_pool_bytes") == plan["pool_bytes"] == state["kv_cache_bytes"] > 0
-    assert value(samples, "berth:kv_cache_bytes") == state["kv_cache_bytes"]
-    assert value(samples, "berth:kv_cache_tokens") == plan["num_tokens"] == 512 * 16
+    assert value(samples, "berth_kv_cache_blocks") == 512
+    assert value(samples, "berth_kv_cache_pool_bytes") == plan["pool_bytes"] == state["kv_cache_bytes"] > 0
+    assert value(samples, "berth_kv_cache_bytes") == state["kv_cache_bytes"]
+    assert value(samples, "berth_kv_cache_tokens") == plan["num_tokens"] == 512 * 16
     assert (
-        value(samples, "berth:kv_cache_bytes_per_token")
+        value(samples, "berth_kv_cache_bytes_per_token")
         == plan["bytes_per_token"]
         == plan["pool_bytes"] / 8192
     )
     assert (
-        value(samples, "berth:memory_limit_bytes", source="flag") == plan["limit_bytes"] == plan["pool_bytes"]
+        value(samples, "berth_memory_limit_bytes", source="flag") == plan["limit_bytes"] == plan["pool_bytes"]
     )
-    assert value(samples, "berth:weight_bytes") == state["weight_bytes"] > 0
+    assert value(samples, "berth_weight_bytes") == state["weight_bytes"] > 0
     # The RSS of the engine's process (the worker), which holds at least its weights.
-    assert value(samples, "berth:engine_resident_memory_bytes") >= state["weight_bytes"]
+    assert value(samples, "berth_engine_resident_memory_bytes") >= state["weight_bytes"]
     assert state["resident_bytes"] >= state["weight_bytes"]

@@ -113,7 +113,7 @@ def run_requests(url: str, target: dict, others: list[dict]) -> tuple[httpx.Resp
 
 def request_errors(server: ServerProcess, stage: str) -> float:
     metrics = server.get("/metrics").text
-    found = re.search(rf'^berth:request_errors_total\{{[^}}]*stage="{stage}"[^}}]*\}} (\S+)$', metrics, re.M)
+    found = re.search(rf'^berth_request_errors_total\{{[^}}]*stage="{stage}"[^}}]*\}} (\S+)$', metrics, re.M)
     assert found, metrics
     return float(found[1])
 

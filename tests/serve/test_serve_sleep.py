@@ -179,17 +179,17 @@ def test_greedy_outputs_after_a_wakeup_are_the_ones_before_the_sleep(sleeper, le
     assert state["kv_cache_bytes"] == 0  # level 1 on a CPU keeps the weights; level 2 drops them
     assert (state["weight_bytes"] > 0) == (level == 1)
     asleep = metric_samples(sleeper)
-    assert metric(asleep, "berth:engine_admission_state", state="parked") == 1
-    assert metric(asleep, "berth:engine_admission_state", state="running") == 0
+    assert metric(asleep, "berth_engine_admission_state", state="parked") == 1
+    assert metric(asleep, "berth_engine_admission_state", state="running") == 0
 
     assert admin(sleeper, "/admin/wakeup", {}).status_code == 200
     assert completions(sleeper) == before
     after = metric_samples(sleeper)
     for to in ("parking", "parked", "waking", "running"):
-        name = "berth:sleep_transitions_total"
+        name = "berth_sleep_transitions_total"
         assert metric(after, name, to=to) - metric(metrics_before, name, to=to) == 1, to
     for kind in ("sleep", "wakeup"):
-        name = "berth:sleep_transition_duration_seconds_count"
+        name = "berth_sleep_transition_duration_seconds_count"
         assert metric(after, name, transition=kind) - metric(metrics_before, name, transition=kind) == 1
     state = sleeper.admin_state()
     assert state["sleep_level"] == 0 and state["kv_cache_bytes"] > 0 and state["weight_bytes"] > 0
@@ -331,8 +331,8 @@ def test_a_wakeup_that_cannot_restore_the_engine_leaves_it_dead_and_health_says_
         assert server.admin_state()["admission"] == "failed"
         samples = metric_samples(server)
         name = str(model)
-        assert samples[("berth:sleep_transitions_total", (("model_name", name), ("to", "failed")))] == 1
-        assert samples[("berth:engine_admission_state", (("model_name", name), ("state", "failed")))] == 1
+        assert samples[("berth_sleep_transitions_total", (("model_name", name), ("to", "failed")))] == 1
+        assert samples[("berth_engine_admission_state", (("model_name", name), ("state", "failed")))] == 1
         refused = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
         server.terminate()
