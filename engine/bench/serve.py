@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--offline-executor", default="in-process", help="the baseline's executor (as bench throughput)"
     )
     parser.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with a comparison: run the shapes in turn this many times and keep each one's fastest "
+        "round (the first server of a run can be slower for reasons of its own)",
+    )
     parser.add_argument("--plot", metavar="FILE.png", help="plot the TTFT and TPOT of every request")
     parser.add_argument(
         "--frontends",
@@ -166,17 +173,25 @@ def run(args: argparse.Namespace) -> int:
                 args.num_postprocess_workers,
             )
         )
-    measured = []
+    rounds = []
     try:
-        for shape in shapes:
-            with _servers(args, shape) as urls:
-                duration, results = asyncio.run(_benchmark(args, urls, api_key, workload))
-                if not measured:
-                    keepalive = asyncio.run(_keepalive_latency(urls[0], api_key))
-            measured.append((shape, duration, results))
+        for _ in range(args.rounds if len(shapes) > 1 else 1):
+            for shape in shapes:  # in turn, round after round: a drifting machine slows both alike
+                with _servers(args, shape) as urls:
+                    duration, results = asyncio.run(_benchmark(args, urls, api_key, workload))
+                    if not rounds:
+                        keepalive = asyncio.run(_keepalive_latency(urls[0], api_key))
+                rounds.append((shape, duration, results))
     except (RuntimeError, OSError) as error:
         print(f"berth bench serve: error: {error}", file=sys.stderr)
         return 1
+    # Each shape's fastest round (by output throughput), as `bench throughput --rounds` counts.
+    measured = [
+        max((m for m in rounds if m[0] is shape), key=lambda m: sum(r.output_tokens for r in m[2]) / m[1])
+        for shape in shapes
+    ]
+    if len(rounds) > len(shapes):
+        print(f"each shape's fastest of {args.rounds} rounds, run in turn", flush=True)
     offline = None if args.skip_offline else _offline_tokens_per_s(args, workload)
     for shape, duration, results in measured:
         _report(args, workload, duration, results, offline, title=shape.label if len(measured) > 1 else None)
@@ -215,6 +230,8 @@ def _describe(frontends: int, workers: int) -> str:
 def _check_args(args: argparse.Namespace) -> str | None:
     if args.num_requests < 1:
         return f"--num-requests must be >= 1, got {args.num_requests}"
+    if args.rounds < 1:
+        return f"--rounds must be >= 1, got {args.rounds}"
     if args.max_concurrency is not None and args.max_concurrency < 1:
         return f"--max-concurrency must be >= 1, got {args.max_concurrency}"
     if not args.request_rate > 0:

@@ -143,8 +143,12 @@ def test_bench_serve_compares_the_enqueue_window_on_and_off_in_one_run(tiny_mode
         "20",
         "--batch-wait-max-tokens-ratio",
         "0.5",
+        "--rounds",
+        "2",
     )
-    assert "server: berth serve (enqueue window 20 ms, token ratio 0.5," in stdout
+    assert stdout.count("server: berth serve (enqueue window 20 ms, token ratio 0.5,") == 2  # one a round
+    assert stdout.count("server: berth serve (single-process server,") == 2
+    assert "each shape's fastest of 2 rounds, run in turn" in stdout
     off, on = stdout.split(" Serving Benchmark Result: ")[1:]
     assert off.startswith("single-process server") and on.startswith("enqueue window 20 ms, token ratio 0.5")
     for section in (off, on):
