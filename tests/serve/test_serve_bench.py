@@ -38,18 +38,18 @@ def figure(stdout: str, label: str) -> float:
     return float(match.group(1))
 
 
+def bench_serve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`berth bench serve ARGS`, its output captured."""
+    command = [sys.executable, "-m", "berth", "bench", "serve", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
 def test_bench_serve_reports_latencies_throughput_and_the_offline_ratio(tiny_model, tmp_path):
     plot = tmp_path / "latency.png"
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "12",
-            "--input-len", "4", "16", "--output-len", "4", "16", "--batch-size", "8",
-            "--max-concurrency", "6", "--dtype", "bfloat16", "--plot", str(plot),
-        ],
-        capture_output=True,
-        text=True,
+    result = bench_serve(
+        str(tiny_model), "--num-requests", "12", "--input-len", "4", "16", "--output-len", "4", "16",
+        "--batch-size", "8", "--max-concurrency", "6", "--dtype", "bfloat16", "--plot", str(plot),
         timeout=120,
-        stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     values = {label: figure(result.stdout, label) for label in REPORTED}
@@ -74,16 +74,9 @@ def test_bench_serve_refuses_bad_arguments(tmp_path):
 
 
 def test_bench_serve_compares_frontends_and_postprocess_workers_with_the_single_process_server(tiny_model):
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "berth", "bench", "serve", str(tiny_model), "--num-requests", "8",
-            "--input-len", "4", "8", "--output-len", "4", "8", "--batch-size", "8", "--skip-offline",
-            "--frontends", "2", "--num-postprocess-workers", "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
+    result = bench_serve(
+        str(tiny_model), "--num-requests", "8", "--input-len", "4", "8", "--output-len", "4", "8",
+        "--batch-size", "8", "--skip-offline", "--frontends", "2", "--num-postprocess-workers", "2",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     single, shape = result.stdout.split(" Serving Benchmark Result: ")[1:]
@@ -119,15 +112,9 @@ def test_bench_serve_refuses_frontends_against_a_given_server(tmp_path):
 
 def bench_against_one_server(model, num_requests: int, *args: str) -> str:
     """`berth bench serve` of a small workload, compared with one server (`args` say how): stdout."""
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "berth", "bench", "serve", str(model), "--num-requests", str(num_requests),
-            "--input-len", "4", "24", "--output-len", "4", "8", "--batch-size", "8", "--skip-offline", *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
+    result = bench_serve(
+        str(model), "--num-requests", str(num_requests), "--input-len", "4", "24", "--output-len", "4", "8",
+        "--batch-size", "8", "--skip-offline", *args,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
