@@ -60,6 +60,15 @@ def _verify(key: bytes, frames: list[bytes]) -> tuple[dict, bytes] | None:
     return json.loads(header), payload
 
 
+def _unverified(frames: list[bytes]) -> dict:
+    """The JSON header of a message that failed its signature check, to name it in an error."""
+    try:
+        header = json.loads(frames[1]) if len(frames) > 1 else {}
+    except ValueError:
+        return {}
+    return header if isinstance(header, dict) else {}
+
+
 @dataclass
 class PullRequest:
     """A generation engine asks for a pinned request's keys and values (the loop answers)."""
@@ -116,8 +125,10 @@ class KVTransferServer:
         verified = _verify(self._key, frames)
         if verified is None:
             logger.warning("KV transfer: a message failed its signature check: refused")
-            header = json.dumps({"op": "error", "message": "bad signature"}).encode()
-            self._socket.send_multipart([peer, b"", header, b""])
+            # Unsigned, and naming the request it answers, so the peer can tell which of its
+            # requests met the wrong key (it acts on nothing in it but that).
+            answer = {"op": "error", "message": "bad signature", "nonce": _unverified(frames).get("nonce")}
+            self._socket.send_multipart([peer, b"", json.dumps(answer).encode(), b""])
             return
         header, _ = verified
         op, disagg_id, nonce = header.get("op"), str(header.get("disagg_id")), header.get("nonce")
@@ -210,6 +221,8 @@ class KVTransferClient:
             frames = sock.recv_multipart()
             verified = _verify(self._key, frames)
             if verified is None:
+                if _unverified(frames).get("nonce") != nonce:
+                    continue  # the refusal of an earlier request (a release)
                 return None, b"", KEY_MISMATCH
             header, payload = verified
             if header.get("nonce") != nonce:

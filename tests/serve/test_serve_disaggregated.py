@@ -116,20 +116,27 @@ def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_n(split):
     assert ended.status_code == 200 and ended.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_context_server_killed_after_prefill_fails_the_request_and_leaks_nothing(
+def test_a_key_mismatch_and_a_context_server_killed_after_prefill_fail_clearly_and_leak_nothing(
     split, tiny_model, tmp_path
 ):
+    """A context server of another deployment (another key), then killed after its prefill."""
     _, generation, _ = split
-    doomed = engine_server(tiny_model, "--role", "context", "--kv-transfer-endpoint", f"ipc://{tmp_path}/kv")
+    doomed = ServerProcess(
+        tiny_model, *ENGINE_ARGS, "--served-model-name", MODEL_NAME, "--role", "context",
+        "--kv-transfer-endpoint", f"ipc://{tmp_path}/kv", env={"BERTH_KV_TRANSFER_KEY": secrets.token_hex(32)},
+    )  # fmt: skip
     try:
         first = complete(
             doomed.url, {"prompt": PROMPTS[1], "max_tokens": 8, "disaggregated": {"context_only": True}}
         )
         handle = first.json()["kv_handle"]
         assert handle is not None and handle["num_tokens"] == len(PROMPTS[1])
+        body = {"prompt": PROMPTS[1], "max_tokens": 8, "disaggregated": {"kv_handle": handle, "timeout": 1.0}}
+        mismatch = complete(generation.url, body)
+        assert mismatch.status_code >= 400, mismatch.text
+        assert "not signed with this engine's KV transfer key" in mismatch.json()["error"]["message"]
         os.kill(doomed.engine_pid, signal.SIGKILL)  # the engine, which holds the pinned blocks
         assert wait_until(lambda: not pid_alive(doomed.engine_pid), 10)
-        body = {"prompt": PROMPTS[1], "max_tokens": 8, "disaggregated": {"kv_handle": handle, "timeout": 1.0}}
         failed = complete(generation.url, body)
         assert failed.status_code >= 400, failed.text
         assert "did not answer within the transfer timeout" in failed.json()["error"]["message"]
