@@ -133,7 +133,7 @@ class Autoscaler:
             reason = "AutoscaledUp" if desired > current else "AutoscaledDown"
             events.append(("Normal", reason, memory["lastScaleReason"]))
 
-        worlds, asleep = self._idle(scaling, desired, loads, memory, now, events)
+        desired, worlds, asleep = self._idle(scaling, desired, loads, memory, now, events)
         memory.update(
             metric=scaling.metric,
             currentValue=None if value is None else round(value, 4),
@@ -211,8 +211,8 @@ class Autoscaler:
         memory: dict[str, Any],
         now: dt.datetime,
         events: list[Event],
-    ) -> tuple[int, set[int]]:
-        """(worlds that exist, worlds asleep for idleness)."""
+    ) -> tuple[int, int, set[int]]:
+        """(worlds the load asks for, worlds that exist, worlds asleep for idleness)."""
         idle = scaling.idle
         if self._active(loads) or not memory.get("lastActivityTime"):
             if memory.get("asleepSince"):
@@ -220,33 +220,30 @@ class Autoscaler:
             memory.update(lastActivityTime=format_time(now), asleepSince=None, released=None)
         quiet = _seconds(memory["lastActivityTime"], now) or 0.0
         if idle.sleep_after_seconds is None or quiet < idle.sleep_after_seconds:
-            return desired, set()
+            return desired, desired, set()
         if not memory.get("asleepSince"):
             memory["asleepSince"] = format_time(now)
             if desired > idle.min_awake:
-                events.append(
-                    (
-                        "Normal",
-                        "IdleSleep",
-                        f"no request for {quiet:.0f}s: worlds beyond {idle.min_awake} "
-                        f"go to sleep at level {idle.level}",
-                    )
+                beyond = idle.min_awake
+                message = (
+                    f"no request for {quiet:.0f}s: the worlds beyond {beyond} sleep at level {idle.level}"
                 )
+                events.append(("Normal", "IdleSleep", message))
         worlds = desired
         asleep_for = _seconds(memory["asleepSince"], now) or 0.0
         if idle.release_after_seconds is not None and asleep_for >= idle.release_after_seconds:
             kept = max(idle.min_worlds, idle.min_awake)
             if desired > kept and not memory.get("released"):
-                events.append(
-                    (
-                        "Normal",
-                        "IdleRelease",
-                        f"asleep for {asleep_for:.0f}s: releasing the worlds beyond {kept}",
-                    )
-                )
-            memory["released"] = desired > kept or None
-            worlds = min(desired, kept)
-        return worlds, set(range(idle.min_awake, worlds))
+                message = f"asleep for {asleep_for:.0f}s: the worlds beyond {kept} are released"
+                events.append(("Normal", "IdleRelease", message))
+                memory["released"] = True
+                # The load that asked for them is long gone: the next request starts from the
+                # bottom and scales up from there, not from the count before the idle spell.
+                desired = _clamp(kept, scaling)
+                self._recommendations.clear()
+            if memory.get("released"):
+                worlds = min(desired, kept)
+        return desired, worlds, set(range(idle.min_awake, worlds))
 
     def _active(self, loads: Sequence[WorldLoad]) -> bool:
         """A request was seen since the previous poll: one waits or runs, or an engine stepped."""
