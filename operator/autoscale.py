@@ -116,21 +116,23 @@ class Autoscaler:
         status.autoscaling."""
         memory = dict(memory or {})
         events: list[Event] = []
-        current = memory.get("desiredReplicas")
-        current = _clamp(current if isinstance(current, int) else starting_point, scaling)
+        before = memory.get("desiredReplicas")
+        before = before if isinstance(before, int) else starting_point
+        current = _clamp(before, scaling)  # the bounds may have changed since
 
         value = self._windowed(scaling, metric_value(scaling.metric, loads), now)
         serving = sum(1 for load in loads if load.serving)
         recommendation = self._recommend(scaling, current, value, serving, loads)
         desired = self._stabilized(scaling, current, recommendation, now)
-        if desired != current:
-            measured = "nothing measured" if value is None else f"{scaling.metric} {value:.3g}"
+        if desired != before:
+            if desired != current:
+                measured = "nothing measured" if value is None else f"{scaling.metric} {value:.3g}"
+                why = f"{measured} against target {scaling.target:g} over {serving} serving world(s)"
+            else:
+                why = f"minReplicas {scaling.min_replicas}, maxReplicas {scaling.max_replicas}"
             memory["lastScaleTime"] = format_time(now)
-            memory["lastScaleReason"] = (
-                f"{measured} against target {scaling.target:g} over {serving} serving world(s): "
-                f"{current} -> {desired} world(s)"
-            )
-            reason = "AutoscaledUp" if desired > current else "AutoscaledDown"
+            memory["lastScaleReason"] = f"{why}: {before} -> {desired} world(s)"
+            reason = "AutoscaledUp" if desired > before else "AutoscaledDown"
             events.append(("Normal", reason, memory["lastScaleReason"]))
 
         desired, worlds, asleep = self._idle(scaling, desired, loads, memory, now, events)

@@ -4,16 +4,19 @@ every rendered command (tests/support/e2e.py), worlds of one rank on the tiny mo
 A test client sends a bounded load to the deployment's Service (each request to one of its
 ready endpoints, as kube-proxy spreads them): world 0's queue grows, the operator reads the
 queue depth from its engine and adds worlds up to maxReplicas, and the new worlds take their
-share of the load. The load stops: after idle.sleepAfterSeconds the worlds beyond minAwake
-sleep in their processes, after idle.releaseAfterSeconds they are released (their pods
-deleted); world 0 still answers. Every request of the load completed, the spec was never
-written, and the operator's /metrics carried the figures.
+share of the load. The load stops; maxReplicas lowered to 2 drains world 2, whose requests in
+flight end in full before its pods go. Then, with no request, after idle.sleepAfterSeconds the
+world beyond minAwake sleeps in its processes, after idle.releaseAfterSeconds it is released
+(its pods deleted); world 0 still answers. Every request of the load completed, the spec was
+never written by the operator, and its /metrics carried the figures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import time
 from pathlib import Path
 
 import httpx
@@ -27,6 +30,7 @@ from tests.support.kubelet import Kubelet
 
 START_TIMEOUT = 150.0
 CLIENTS, MAX_TOKENS = 6, 48
+DRAINED, DRAINED_TOKENS = 3, 400  # requests in flight on a world that autoscaling removes
 
 
 async def load(llmd: e2e.Deployed, stop: asyncio.Event, results: list[tuple[str, int]]) -> None:
@@ -62,6 +66,31 @@ async def load(llmd: e2e.Deployed, stop: asyncio.Event, results: list[tuple[str,
         await asyncio.gather(*(client(http) for _ in range(CLIENTS)))
 
 
+async def drained_request(ip: str) -> tuple[int, int, float]:
+    """A long request straight to one world: (HTTP status, tokens, when it ended)."""
+    request = {"model": "tiny", "prompt": "hello", "max_tokens": DRAINED_TOKENS, "ignore_eos": True}
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(f"http://{ip}:{naming.ENGINE_PORT}/v1/completions", json=request, timeout=120)
+    tokens = reply.json()["usage"]["completion_tokens"] if reply.status_code == 200 else 0
+    return reply.status_code, tokens, time.monotonic()
+
+
+def busy(ip: str) -> bool:
+    """A request running and another waiting on the engine at `ip` (its /metrics)."""
+    try:
+        text = httpx.get(f"http://{ip}:{naming.ENGINE_PORT}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return False
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("berth:num_requests_running{", "berth:num_requests_waiting{"))
+    }
+    return (
+        values.get("berth:num_requests_running", 0) >= 1 and values.get("berth:num_requests_waiting", 0) >= 1
+    )
+
+
 async def test_load_adds_worlds_up_to_max_then_idle_worlds_sleep_and_are_released(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -79,7 +108,7 @@ async def test_load_adds_worlds_up_to_max_then_idle_worlds_sleep_and_are_release
         replicas=1,
         health=e2e.FAST_HEALTH,
         engineArgs=["--max-num-seqs=1"],
-        rollout={"drainTimeoutSeconds": 30},
+        rollout={"drainTimeoutSeconds": 120},
         autoscaling=autoscaling,
     )
     manifest["spec"]["model"]["name"] = "tiny"
@@ -105,24 +134,28 @@ async def test_load_adds_worlds_up_to_max_then_idle_worlds_sleep_and_are_release
             stop.set()
             await asyncio.wait_for(clients, 120)
 
-        # The load stopped: worlds 1 and 2 sleep (same pods), then are released (pods gone).
+        # Requests running and queued on world 2, then maxReplicas lowered to 2: world 2 drains
+        # them to their end before its pods go.
+        world2 = llmd.pod_status(naming.launcher_pod_name("tiny", 2))["podIP"]
+        in_flight = [asyncio.ensure_future(drained_request(world2)) for _ in range(DRAINED)]
+        await llmd.wait(lambda: busy(world2), 30, "requests running and queued on world 2")
+        lowered = {"spec": {"autoscaling": {"maxReplicas": 2}}}
+        await cluster.kubectl("patch", "llmd", "tiny", "--type=merge", "-p", json.dumps(lowered))
+        launcher2 = naming.launcher_pod_name("tiny", 2)
+        await llmd.wait(lambda: not llmd.pod(launcher2), 120, "world 2 drained and removed")
+        removed_at = time.monotonic()
+        drained = await asyncio.gather(*in_flight)
+
+        # No request since: world 1 sleeps (same pods), then is released (its pods deleted).
         def asleep() -> bool:
             worlds = {world["index"]: world for world in llmd.status().get("worlds") or []}
-            return all(worlds.get(i, {}).get("admission") == "parked" for i in (1, 2))
+            return worlds.get(1, {}).get("admission") == "parked"
 
-        await llmd.wait(asleep, 60, "worlds 1 and 2 asleep")
+        await llmd.wait(asleep, 60, "world 1 asleep")
         asleep_status = llmd.status()
-        launchers_asleep = [
-            llmd.pod(naming.launcher_pod_name("tiny", i)).get("metadata", {}).get("uid") for i in (1, 2)
-        ]
-        await llmd.wait(
-            lambda: (
-                not llmd.pod(naming.launcher_pod_name("tiny", 2))
-                and not llmd.pod(naming.launcher_pod_name("tiny", 1))
-            ),
-            60,
-            "worlds 1 and 2 released",
-        )
+        launcher1 = naming.launcher_pod_name("tiny", 1)
+        launcher_asleep = llmd.pod(launcher1).get("metadata", {}).get("uid")
+        await llmd.wait(lambda: not llmd.pod(launcher1), 60, "world 1 released")
         released = llmd.status()
         async with httpx.AsyncClient() as http:
             request = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
@@ -130,7 +163,14 @@ async def test_load_adds_worlds_up_to_max_then_idle_worlds_sleep_and_are_release
         spec_after = llmd.get()["spec"]
         events = {
             reason: llmd.events(reason)
-            for reason in ("AutoscaledUp", "IdleSleep", "IdleRelease", "WorldRemoved")
+            for reason in (
+                "AutoscaledUp",
+                "AutoscaledDown",
+                "WorldDraining",
+                "IdleSleep",
+                "IdleRelease",
+                "WorldRemoved",
+            )
         }
 
     # Every request of the load completed, in full, on the three worlds.
@@ -144,13 +184,19 @@ async def test_load_adds_worlds_up_to_max_then_idle_worlds_sleep_and_are_release
     assert events["AutoscaledUp"] and "queueDepth" in events["AutoscaledUp"][0]
     assert 'berth_llmdeployment_desired_worlds{name="tiny",namespace="default"} 3.0' in exported
     assert 'berth_llmdeployment_queue_depth{name="tiny",namespace="default"}' in exported
+    # The scale-down drained world 2: every request in flight there ended in full before its pod went.
+    assert all(status == 200 and tokens == DRAINED_TOKENS for status, tokens, _ in drained), drained
+    assert max(finished for _, _, finished in drained) <= removed_at
+    assert "maxReplicas 2: 3 -> 2 world(s)" in events["AutoscaledDown"][0]
+    assert any(message.startswith("world 2: draining") for message in events["WorldDraining"])
     # Asleep in the same pods, the tier in status; then released.
-    assert asleep_status["autoscaling"]["asleepWorlds"] == [1, 2] and events["IdleSleep"]
+    assert asleep_status["autoscaling"]["asleepWorlds"] == [1] and events["IdleSleep"]
     tiers = {world["index"]: world.get("tier") for world in asleep_status["worlds"]}
-    assert tiers == {0: "awake", 1: "asleep", 2: "asleep"}
-    assert all(launchers_asleep)
+    assert tiers == {0: "awake", 1: "asleep"}
+    assert launcher_asleep
     assert released["autoscaling"]["worlds"] == 1 and released["autoscaling"]["released"] is True
     assert events["IdleRelease"] and len(events["WorldRemoved"]) == 2
     assert still.status_code == 200, still.text
     # The operator never wrote the spec (GitOps-safe): replicas is still the starting point.
+    spec_before["autoscaling"]["maxReplicas"] = 2  # the test's own patch
     assert spec_after == spec_before and spec_after["replicas"] == 1

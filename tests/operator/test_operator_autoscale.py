@@ -184,3 +184,12 @@ def test_the_world_count_every_path_acts_on() -> None:
     assert effective_spec(scaled, {"autoscaling": {"worlds": 0}}).replicas == 0
     assert effective_spec(scaled, {"autoscaling": {"worlds": 9}}).replicas == 5  # maxReplicas lowered since
     assert scaled.replicas == 7  # the spec itself is never changed
+
+
+def test_lowered_bounds_take_effect_at_once_with_their_reason() -> None:
+    run = Run(scaling(scaleDown={"stabilizationWindowSeconds": 600}), replicas=1)
+    assert run.round(loads([8])).worlds == 4
+    run.rules = scaling(maxReplicas=2, scaleDown={"stabilizationWindowSeconds": 600})
+    lowered = run.round(loads([2, 2, 2, 2]))
+    assert lowered.worlds == 2 and lowered.events[-1][1] == "AutoscaledDown"
+    assert lowered.status["lastScaleReason"] == "minReplicas 1, maxReplicas 2: 4 -> 2 world(s)"
