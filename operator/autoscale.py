@@ -111,9 +111,10 @@ class Autoscaler:
         loads: Sequence[WorldLoad],
         memory: Mapping[str, Any] | None,
         now: dt.datetime,
+        held: int = 0,
     ) -> Decision:
         """This round's decision. `starting_point`: spec.replicas; `memory`: the previous
-        status.autoscaling."""
+        status.autoscaling; `held`: requests the activator holds for want of a serving world."""
         memory = dict(memory or {})
         events: list[Event] = []
         before = memory.get("desiredReplicas")
@@ -135,7 +136,9 @@ class Autoscaler:
             reason = "AutoscaledUp" if desired > before else "AutoscaledDown"
             events.append(("Normal", reason, memory["lastScaleReason"]))
 
-        desired, worlds, asleep = self._idle(scaling, desired, loads, memory, now, events)
+        desired, worlds, asleep = self._idle(scaling, desired, loads, memory, now, events, held)
+        if held and worlds == 0:
+            worlds = desired = 1  # a held request needs a world, whatever minReplicas says
         memory.update(
             metric=scaling.metric,
             currentValue=None if value is None else round(value, 4),
@@ -143,6 +146,7 @@ class Autoscaler:
             desiredReplicas=desired,
             worlds=worlds,
             asleepWorlds=sorted(asleep) or None,
+            heldRequests=held or None,
         )
         status = {key: value for key, value in memory.items() if value is not None}
         return Decision(worlds=worlds, asleep=frozenset(asleep), status=status, events=events)
@@ -213,12 +217,14 @@ class Autoscaler:
         memory: dict[str, Any],
         now: dt.datetime,
         events: list[Event],
+        held: int,
     ) -> tuple[int, int, set[int]]:
         """(worlds the load asks for, worlds that exist, worlds asleep for idleness)."""
         idle = scaling.idle
-        if self._active(loads) or not memory.get("lastActivityTime"):
+        if self._active(loads) or held or not memory.get("lastActivityTime"):
             if memory.get("asleepSince"):
-                events.append(("Normal", "IdleWake", "a request arrived: waking the idle worlds"))
+                where = f"{held} request(s) held by the activator" if held else "a request arrived"
+                events.append(("Normal", "IdleWake", f"{where}: waking the idle worlds"))
             memory.update(lastActivityTime=format_time(now), asleepSince=None, released=None)
         quiet = _seconds(memory["lastActivityTime"], now) or 0.0
         if idle.sleep_after_seconds is None or quiet < idle.sleep_after_seconds:

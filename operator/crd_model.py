@@ -431,6 +431,9 @@ class IdleSpec(_Model):
     Unset: asleep worlds are kept."""
     min_worlds: int = Field(default=0, ge=0, le=1000)
     """Worlds never released, asleep or awake (0: every idle world may be deleted)."""
+    wake_timeout_seconds: int = Field(default=300, ge=1, le=3600)
+    """With minAwake 0: how long a request that arrives while every world sleeps or is released
+    is held (by the deployment's activator pod) for a world to wake; then 503 + Retry-After."""
 
     @model_validator(mode="after")
     def _release_needs_sleep(self) -> IdleSpec:
@@ -601,6 +604,11 @@ class LLMDeploymentSpec(_Model):
             if self.gpus_per_node
             else self.tensor_parallel_size
         )
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """Every world may sleep or be released for idleness: an activator holds the requests."""
+        return self.autoscaling is not None and self.autoscaling.idle.min_awake == 0
 
     @property
     def served_model_name(self) -> str | None:

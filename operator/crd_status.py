@@ -255,6 +255,8 @@ class AutoscalingStatus(_Status):
     """The last poll that saw a request waiting, running or computed."""
     asleep_since: str | None = None
     """Since when the idle worlds sleep (releaseAfterSeconds counts from here)."""
+    held_requests: int | None = None
+    """Requests the activator holds while no world serves (spec.autoscaling.idle.minAwake 0)."""
 
 
 class LLMDeploymentStatus(_Status):

@@ -23,7 +23,8 @@ from berth.operator.autoscale import Autoscaler, Decision, WorldLoad, effective_
 from berth.operator.child_problems import ChildProblems, RefusedWrite, controlled_by, controller_of
 from berth.operator.crd_model import API_VERSION, KIND, InvalidSpec, LLMDeploymentSpec, parse_spec
 from berth.operator.credentials import unb64
-from berth.operator.health import AddressResolver, EngineLoad, Probe, probe, resolve
+from berth.operator.demand import DemandWatcher
+from berth.operator.health import AddressResolver, EngineLoad, Probe, base_url, probe, resolve
 from berth.operator.kube import Conflict, Kube, KubeError
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import format_time, parse_time
@@ -83,6 +84,8 @@ class Supervisor:
         self._addresses: dict[int, tuple[str, int]] = {}  # world -> its launcher's address, this round
         self._polls: dict[int, Probe] = {}  # world -> its engine's answer, the latest round
         self.autoscaler = Autoscaler()
+        # With an activator (a deployment that scales to zero): its demand wakes the next round.
+        self.demand = DemandWatcher(http, wake or (lambda: None), logger)
         # Conflicting objects and refused writes, shared with the reconcile handler.
         self.problems = problems if problems is not None else ChildProblems()
 
@@ -90,6 +93,7 @@ class Supervisor:
         """Stop waiting for transitions in flight (the engines finish them on their own; a
         resumed operator reads where they ended from the admission state)."""
         self.transitions.cancel_all()
+        self.demand.close()
 
     async def tick(self, body: Mapping[str, Any], now: dt.datetime | None = None) -> float:
         """One round over every world; returns the seconds until the next one."""
@@ -202,6 +206,8 @@ class Supervisor:
             if index not in orders and index not in in_rollout:
                 self._steer_sleep(spec, world_intent, index, step, by_name, owner, now)
         self.metrics.set_rollout(namespace, name, rolling.memory, spec.replicas)
+        if spec.scales_to_zero:
+            await self._tell_activator(owner, statuses, finished)
         retiring = await self._retire_worlds(owner, spec, pods, previous_worlds, finished, token, now)
 
         for world_status in statuses:
@@ -305,8 +311,9 @@ class Supervisor:
                     computed_tokens=load.computed_tokens if alive and poll.load is not None else None,
                 )
             )
+        held = self.demand.held if spec.scales_to_zero else 0
         decision = self.autoscaler.decide(
-            spec.autoscaling, spec.replicas, loads, previous.get("autoscaling"), now
+            spec.autoscaling, spec.replicas, loads, previous.get("autoscaling"), now, held
         )
         for event in decision.events:
             self.post_event(*event)
@@ -319,6 +326,50 @@ class Supervisor:
             for event in outcome.events() + outcome.record(self.problems, now):
                 self.post_event(*event)
         return wanted, decision
+
+    async def _tell_activator(
+        self,
+        owner: render.Owner,
+        statuses: list[dict[str, Any]],
+        finished: Mapping[int, tuple[str, engine_admin.TransitionOutcome]],
+    ) -> None:
+        """The activator learns which worlds serve (it forwards its held requests there) and why
+        a wake failed (each held request gets that error)."""
+        labels = {naming.DEPLOYMENT: owner.name, naming.ROLE: "activator"}
+        deployment = await self.kube.get(
+            "apps/v1", "Deployment", owner.namespace, naming.activator_name(owner.name)
+        )
+        pods = await self.kube.list("v1", "Pod", owner.namespace, labels) if deployment else []
+        ours = deployment is not None and controlled_by(deployment, owner.uid)
+        running = [
+            pod
+            for pod in pods
+            if ours
+            and (pod.get("status") or {}).get("podIP")
+            and not pod["metadata"].get("deletionTimestamp")
+        ]
+        address = (running[0]["status"]["podIP"], naming.ACTIVATOR_ADMIN_PORT) if running else None
+        serving = [
+            base_url(self._addresses[world["index"]])
+            for world in statuses
+            if world.get("phase") == "Ready" and world["index"] in self._addresses
+        ]
+        wake_failures = [
+            f"world {index}: {outcome.kind} {outcome.result}: {outcome.message}"
+            for index, (purpose, outcome) in sorted(finished.items())
+            if purpose == "wake" and not outcome.ok and outcome.result != "conflict"
+        ]
+        failed_worlds = [
+            f"world {world['index']} failed: {world.get('lastEngineError') or world.get('message')}"
+            for world in statuses
+            if world.get("phase") == "Failed"
+        ]
+        failure = None
+        if not serving and wake_failures:
+            failure = "; ".join(wake_failures)
+        elif not serving and statuses and len(failed_worlds) == len(statuses):
+            failure = "; ".join(failed_worlds)  # out of restarts: nothing will come up soon
+        self.demand.update(address, serving, failure, self._admin_token)
 
     async def _retire_worlds(
         self,

@@ -73,6 +73,7 @@ SPEC: dict[str, Any] = {
             "level": 1,
             "releaseAfterSeconds": 1800,
             "minWorlds": 0,
+            "wakeTimeoutSeconds": 300,
         },
     },
 }
@@ -170,6 +171,7 @@ STATUS: dict[str, Any] = {
         "lastScaleReason": "queueDepth 3.5 against target 2.5 over 2 serving world(s): 2 -> 3 world(s)",
         "lastActivityTime": TIME,
         "asleepSince": TIME,
+        "heldRequests": 2,
     },
     "kopf": {"progress": {"reconcile_children": {"started": TIME}}},
 }
