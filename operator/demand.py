@@ -70,9 +70,16 @@ class DemandWatcher:
                     timeout=LONG_POLL + 10,
                 )
             )
+            # Whatever becomes of it (cut short, or the activator gone), its outcome is read.
+            poll.add_done_callback(lambda done: done.cancelled() or done.exception())
             changed = asyncio.ensure_future(self._changed.wait())
-            await asyncio.wait({poll, changed}, return_when=asyncio.FIRST_COMPLETED)
-            changed.cancel()
+            try:
+                await asyncio.wait({poll, changed}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                poll.cancel()  # the supervisor stops
+                raise
+            finally:
+                changed.cancel()
             if not poll.done():
                 poll.cancel()  # the worlds changed: tell the activator now
                 with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):

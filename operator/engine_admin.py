@@ -76,7 +76,7 @@ async def _post(
             kind,
             True,
             "done",
-            f"{kind} done in {float(answer.get('seconds') or seconds):.1f}s",
+            f"{kind} done in {float(answer.get('seconds') or seconds):.3f}s",
             seconds,
             admission=answer.get("admission"),
             model_revision=revision_text(answer.get("model_revision")),

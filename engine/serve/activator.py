@@ -184,6 +184,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after its shutdown; a stop is a clean end (exit 0).
+        self._captured_signals.clear()
+
+
 def by_port(public: Any, admin: Any, admin_port: int) -> Any:
     """One ASGI app for both ports: the admin routes only on the admin port."""
 
@@ -206,7 +213,7 @@ async def serve(args: argparse.Namespace) -> None:
         # One server on both sockets: one signal handler, so SIGTERM ends the pod at once.
         config = uvicorn.Config(by_port(public, admin, sockets[1].getsockname()[1]), log_level="warning")
         print(f"berth activator: listening on http://{args.host}:{sockets[0].getsockname()[1]}", flush=True)
-        await uvicorn.Server(config).serve(sockets=sockets)
+        await _Server(config).serve(sockets=sockets)
 
 
 def run(args: argparse.Namespace) -> int:
