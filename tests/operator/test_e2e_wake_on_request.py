@@ -22,6 +22,7 @@ import httpx
 
 from berth.operator import naming
 from tests.support import e2e
+from tests.support.argocd_health import argocd_health
 from tests.support.cluster import Cluster
 from tests.support.kubelet import Kubelet
 
@@ -83,6 +84,7 @@ async def test_requests_to_a_sleeping_or_released_deployment_wake_it_and_are_ans
         await llmd.wait(lambda: llmd.world().get("admission") == "parked", 60, "world 0 asleep")
         await llmd.wait(lambda: llmd.endpoints() == [activator_ip], 30, "only the activator in the Service")
         asleep = llmd.status()
+        asleep_health = argocd_health(llmd.get())
         pods_asleep = llmd.pod(launcher)["metadata"]["uid"]
         url = llmd.openai_url()
         held = [asyncio.ensure_future(streamed(url))]
@@ -124,6 +126,8 @@ async def test_requests_to_a_sleeping_or_released_deployment_wake_it_and_are_ans
     assert asleep["autoscaling"]["asleepWorlds"] == [0] and asleep["worlds"][0]["tier"] == "asleep"
     assert all(status == 200 and text for _, text, status in from_asleep), from_asleep
     assert waking_seen and same_pod and len(woke) >= 1
+    # Asleep for idleness is the plan: Argo CD shows it Healthy (not Suspended).
+    assert asleep_health["status"] == "Healthy" and "autoscaling (idle)" in asleep_health["message"]
     # Released: its pods were deleted, and a new world answered the request.
     assert released["autoscaling"]["worlds"] == 0 and released["autoscaling"]["released"] is True
     assert released.get("worlds") in (None, [])
