@@ -193,3 +193,33 @@ def test_lowered_bounds_take_effect_at_once_with_their_reason() -> None:
     lowered = run.round(loads([2, 2, 2, 2]))
     assert lowered.worlds == 2 and lowered.events[-1][1] == "AutoscaledDown"
     assert lowered.status["lastScaleReason"] == "minReplicas 1, maxReplicas 2: 4 -> 2 world(s)"
+
+
+def test_the_activator_is_rendered_only_for_a_deployment_that_may_scale_to_zero() -> None:
+    from berth.operator import naming, render
+
+    owner = render.Owner(name="llama", namespace="default", uid="u")
+    base = {"model": {"path": "/m"}, "image": "i"}
+    scaling = {"maxReplicas": 2, "target": 4}
+
+    def activators(spec: dict[str, Any]) -> list[dict[str, Any]]:
+        children = render.children(owner, parse_spec({**base, **spec}))
+        return [child for child in children if child["metadata"]["name"] == "llama-activator"]
+
+    assert activators({}) == [] and activators({"autoscaling": scaling}) == []  # minAwake 1
+    idle = {"minAwake": 0, "wakeTimeoutSeconds": 45}
+    (deployment,) = activators({"autoscaling": {**scaling, "idle": idle}})
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == [
+        "berth", "activator", "--host", "0.0.0.0", "--port", "8000",
+        "--admin-port", "8002", "--wake-timeout", "45",
+    ]  # fmt: skip
+    # In the Service like a launcher (its selector), but the admin port is no Service's.
+    service = render.endpoint_service(owner, parse_spec(base))
+    labels = pod["metadata"]["labels"]
+    assert all(labels.get(key) == value for key, value in service["spec"]["selector"].items())
+    assert [port["targetPort"] for port in service["spec"]["ports"]] == ["http"]
+    assert [env["name"] for env in container["env"]] == ["BERTH_ADMIN_TOKEN"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert labels[naming.ROLE] == "activator"
