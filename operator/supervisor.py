@@ -171,6 +171,7 @@ class Supervisor:
                 admission=step.status.get("admission"),
                 outdated=None if index in orders else outdated,
                 busy=self.transitions.busy(index),
+                idle=scaled is not None and index in scaled.asleep,
             )
             for index, (step, _, outdated) in zip(world_list, steps)
         ]

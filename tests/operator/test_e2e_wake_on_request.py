@@ -112,7 +112,7 @@ async def test_requests_to_a_sleeping_or_released_deployment_wake_it_and_are_ans
     ttft_asleep = from_asleep[0][0]
     ttft_released = from_released[0]
     print(
-        f"\nfrom asleep: time to first token {ttft_asleep * 1000:.0f} ms (every held request woke one "
+        f"\nfrom asleep: time to first token {ttft_asleep * 1000:.0f} ms (the held requests woke the "
         f"world; health polls are {HEALTH['intervalSeconds']} s apart), the engine's wake "
         f"{wake_seconds * 1000:.0f} ms"
         f"\nfrom released: time to first token {ttft_released:.2f} s, a cold world start "

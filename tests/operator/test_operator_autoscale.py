@@ -223,3 +223,22 @@ def test_the_activator_is_rendered_only_for_a_deployment_that_may_scale_to_zero(
     assert [env["name"] for env in container["env"]] == ["BERTH_ADMIN_TOKEN"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert labels[naming.ROLE] == "activator"
+
+
+def test_a_world_asleep_for_idleness_does_not_hold_up_a_rollout() -> None:
+    import dataclasses
+
+    from berth.operator import rollout
+
+    now = dt.datetime(2026, 12, 5, 12, 0, tzinfo=dt.timezone.utc)
+
+    def state(index: int, phase: str, idle: bool = False) -> rollout.WorldState:
+        admission = "parked" if phase == "Sleeping" else "running"
+        return rollout.WorldState(index, phase == "Ready", phase, admission, "launcher", False, idle)
+
+    worlds = [state(0, "Ready"), state(1, "Sleeping", idle=True)]
+    taken = rollout.plan(worlds, None, "spec-b", 1, now, drain_timeout=60, startup_timeout=120)
+    assert taken.orders == [(0, "drain")]  # the sleeping world is no outage: world 0 goes first
+    awake_against_the_plan = [worlds[0], dataclasses.replace(worlds[1], idle=False)]
+    held = rollout.plan(awake_against_the_plan, None, "spec-b", 1, now, drain_timeout=60, startup_timeout=120)
+    assert held.orders == []  # a world asleep for no reason is out of service: nothing more is taken
