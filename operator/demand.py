@@ -19,7 +19,9 @@ import httpx
 
 from berth.operator.health import Address, admin_headers, base_url
 
-LONG_POLL = 25.0  # seconds the activator keeps a poll open without news
+# Seconds the activator keeps a poll open without news; each poll also restores a world the
+# activator set aside after one refused request.
+LONG_POLL = 10.0
 RETRY = 1.0  # seconds between attempts while the activator does not answer
 
 

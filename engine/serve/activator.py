@@ -36,6 +36,9 @@ from berth.engine.serve.errors import APIError, unavailable
 # A held request is released only once the one held before it has reached its world (its
 # response began) or this many seconds passed: the engine admits them in arrival order.
 RELEASE_SPACING = 0.5
+# Tries per request: a world that refuses it (503: asleep since the operator named it, or dead)
+# or does not answer is set aside, and the request goes to another or waits for one.
+ATTEMPTS = 3
 # Hop-by-hop headers and those the forwarded body's framing decides: never copied across.
 NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
 
@@ -110,6 +113,12 @@ class Activator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(reached.wait(), RELEASE_SPACING)
 
+    def not_serving(self, backend: str) -> None:
+        """A world refused or did not answer: no more requests go there until the operator names
+        it again (its next update)."""
+        if backend in self.backends:
+            self.backends = [other for other in self.backends if other != backend]
+
     async def wait_for_demand(self, seen: int, wait: float) -> None:
         """Until a request is held that the operator has not seen, or `wait` seconds pass."""
         async with self._held:
@@ -133,29 +142,44 @@ def public_app(activator: Activator, client: httpx.AsyncClient, api_key: str | N
     @app.api_route("/v1/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
-        try:
-            backend, reached = await activator.backend()
-        except APIError as error:
-            return error.response()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
-        upstream = client.build_request(
-            request.method, f"{backend}/v1/{path}", content=body, headers=headers, params=request.query_params
-        )
-        try:
-            response = await client.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
-            return unavailable(
-                f"the world at {backend} did not answer: {exc}", "backend_unreachable"
-            ).response()
-        finally:
-            reached.set()
-        kept = {k: v for k, v in response.headers.items() if k.lower() not in NOT_FORWARDED}
-        return StreamingResponse(
-            response.aiter_raw(),
-            status_code=response.status_code,
-            headers=kept,
-            background=BackgroundTask(response.aclose),
-        )
+        for attempt in range(ATTEMPTS):
+            try:
+                backend, reached = await activator.backend()
+            except APIError as error:
+                return error.response()
+            upstream = client.build_request(
+                request.method,
+                f"{backend}/v1/{path}",
+                content=body,
+                headers=headers,
+                params=request.query_params,
+            )
+            try:
+                response = await client.send(upstream, stream=True)
+            except httpx.HTTPError as exc:
+                activator.not_serving(backend)
+                if attempt + 1 < ATTEMPTS:
+                    continue
+                return unavailable(
+                    f"the world at {backend} did not answer: {exc}", "backend_unreachable"
+                ).response()
+            finally:
+                reached.set()
+            if response.status_code == 503 and attempt + 1 < ATTEMPTS:
+                # Not admitted (it went to sleep since the operator named it, or died): the
+                # request waits for a world that serves, as if it had come a moment later.
+                await response.aclose()
+                activator.not_serving(backend)
+                continue
+            kept = {k: v for k, v in response.headers.items() if k.lower() not in NOT_FORWARDED}
+            return StreamingResponse(
+                response.aiter_raw(),
+                status_code=response.status_code,
+                headers=kept,
+                background=BackgroundTask(response.aclose),
+            )
+        raise AssertionError("unreachable")  # the last attempt always returns
 
     return app if api_key is None else Authentication(app, api_key=api_key, admin_token=None)
 

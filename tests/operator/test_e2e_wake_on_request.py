@@ -3,7 +3,7 @@ model, `spec.autoscaling.idle.minAwake: 0`, so the operator runs the deployment'
 
 Idle, the world sleeps: the Service's only ready endpoint is the activator. Streaming requests
 sent to the Service then are held, the demand reaches the operator over its long poll (the
-health polls here are 10 s apart: the wake starts long before the next one), the operator wakes
+health polls here are 3 s apart: the wake starts before the next one), the operator wakes
 the world, and every held request is answered in full, its first token after the wake. Then
 the world is released (its pods deleted); a request wakes the deployment again, from a cold
 world start. The test prints each time to first token next to what it waits for: the wake time
@@ -28,8 +28,8 @@ from tests.support.kubelet import Kubelet
 
 START_TIMEOUT = 150.0
 HELD, MAX_TOKENS = 3, 16
-# Polls far apart: only the activator's long poll can start a wake within a second.
-HEALTH = {**e2e.FAST_HEALTH, "intervalSeconds": 10, "timeoutSeconds": 5}
+# Polls seconds apart: only the activator's long poll can start a wake within a second.
+HEALTH = {**e2e.FAST_HEALTH, "intervalSeconds": 3, "timeoutSeconds": 3}
 
 
 async def streamed(url: str) -> tuple[float, str, int]:

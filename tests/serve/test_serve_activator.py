@@ -5,6 +5,7 @@ and the operator's long poll answered the moment a request is held."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -155,3 +156,30 @@ class _thread:
 
     def __exit__(self, *exc: object) -> None:
         self._thread.join(90)
+
+
+async def test_a_world_that_refuses_is_set_aside_and_the_request_waits_for_one_that_serves() -> None:
+    from berth.engine.serve.activator import public_app
+
+    def world(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "parked":  # asleep since the operator named it
+            return httpx.Response(503, json={"error": {"message": "asleep"}}, headers={"Retry-After": "5"})
+        served = json.dumps({"served_by": request.url.host}).encode()
+        return httpx.Response(
+            200, headers={"content-type": "application/json"}, stream=httpx.ByteStream(served)
+        )
+
+    activator = Activator(wake_timeout=30)
+    activator.set_backends(["http://parked"], None)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(world)) as upstream:
+        app = public_app(activator, upstream)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://activator"
+        ) as client:
+            reply = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "x"}))
+            while activator.held_total == 0:  # refused by the parked world, then held
+                await asyncio.sleep(0.01)
+            assert activator.backends == [] and not reply.done()
+            activator.set_backends(["http://awake"], None)  # the operator names a world that serves
+            answer = await asyncio.wait_for(reply, 10)
+    assert answer.status_code == 200 and answer.json() == {"served_by": "awake"}
