@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("berth.engine.launch", "cluster entry point: mpirun the world, serve it"),
     "bench": ("berth.engine.bench.cli", "benchmarks: throughput, proxy, serve"),
     "operator": ("berth.operator.cli", "run the Kubernetes operator (kopf)"),
+    "activator": (
+        "berth.engine.serve.activator",
+        "hold a scaled-to-zero deployment's requests until the operator wakes a world",
+    ),
 }
 
 

@@ -266,7 +266,14 @@ def _asleep(
     conditions.append(_degraded(failed))
     # A sleep on schedule is the plan, a sleep asked for in spec.sleep is someone's decision:
     # Argo CD shows the first Healthy, the second Suspended (manifests/argocd/health.lua).
-    parked_reason = "ScheduledSleep" if sleep.source.startswith("schedule") else "EnginesParked"
+    # So is a sleep for idleness (spec.autoscaling.idle): the first request wakes it.
+    parked_reason = (
+        "ScheduledSleep"
+        if sleep.source.startswith("schedule")
+        else "IdleSleep"
+        if sleep.source.startswith("autoscaling")
+        else "EnginesParked"
+    )
     conditions.append(
         _condition(
             "Sleeping",

@@ -386,6 +386,111 @@ class ServiceSpec(_Model):
     """Annotations for the Service (e.g. for a load balancer)."""
 
 
+STABILIZATION = (
+    "The recommendations of this many past seconds are considered: a scale-up goes only as high "
+    "as the lowest of them, a scale-down only as low as the highest (a load that oscillates "
+    "around the target moves nothing)."
+)
+
+
+class ScaleUpRules(_Model):
+    """How fast autoscaling adds worlds (HorizontalPodAutoscaler's behavior.scaleUp)."""
+
+    stabilization_window_seconds: int = Field(default=0, ge=0, le=3600, description=STABILIZATION)
+
+
+class ScaleDownRules(_Model):
+    """How fast autoscaling removes worlds (HorizontalPodAutoscaler's behavior.scaleDown)."""
+
+    stabilization_window_seconds: int = Field(default=300, ge=0, le=3600, description=STABILIZATION)
+
+
+class IdleSpec(_Model):
+    """Scale to zero in two tiers: asleep after a while without requests (woken in seconds, pods
+    kept), then released (pods deleted, GPUs given back)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "!has(self.releaseAfterSeconds) || has(self.sleepAfterSeconds)",
+                "message": "idle.releaseAfterSeconds counts from the idle sleep: "
+                "set idle.sleepAfterSeconds too",
+            }
+        )
+    )
+
+    sleep_after_seconds: int | None = Field(default=None, ge=1, le=86400 * 7)
+    """Seconds without a request after which the worlds beyond minAwake are put to sleep. Unset:
+    idle worlds stay awake."""
+    min_awake: int = Field(default=1, ge=0, le=1000)
+    """Worlds kept awake however idle the deployment is (0: every world may sleep)."""
+    level: Literal[1, 2] = 1
+    """Sleep level of an idle world (1 keeps the weights in host memory, 2 drops them)."""
+    release_after_seconds: int | None = Field(default=None, ge=1, le=86400 * 30)
+    """Seconds asleep after which the worlds beyond minWorlds are deleted (their GPUs released).
+    Unset: asleep worlds are kept."""
+    min_worlds: int = Field(default=0, ge=0, le=1000)
+    """Worlds never released, asleep or awake (0: every idle world may be deleted)."""
+    wake_timeout_seconds: int = Field(default=300, ge=1, le=3600)
+    """With minAwake 0: how long a request that arrives while every world sleeps or is released
+    is held (by the deployment's activator pod) for a world to wake; then 503 + Retry-After."""
+
+    @model_validator(mode="after")
+    def _release_needs_sleep(self) -> IdleSpec:
+        if self.release_after_seconds is not None and self.sleep_after_seconds is None:
+            raise ValueError(
+                "idle.releaseAfterSeconds counts from the idle sleep: set idle.sleepAfterSeconds too"
+            )
+        return self
+
+
+class AutoscalingSpec(_Model):
+    """Worlds follow the engines' load (operator/autoscale.py). `replicas` is the starting point;
+    the operator writes the worlds it wants to status.autoscaling, never to the spec."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "self.minReplicas <= self.maxReplicas",
+                "message": "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+            },
+            {
+                "rule": "self.metric != 'kvCacheUsage' || double(self.target) <= 1.0",
+                "message": "autoscaling.target of kvCacheUsage is a fraction of the KV cache (at most 1)",
+            },
+        )
+    )
+
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    """Fewest worlds load-based scaling keeps (idle may go below it: see idle)."""
+    max_replicas: int = Field(ge=1, le=1000)
+    """Most worlds load-based scaling starts."""
+    metric: Literal["queueDepth", "kvCacheUsage", "runningRequests"] = "queueDepth"
+    """queueDepth: requests waiting per serving world; kvCacheUsage: the mean fraction of KV cache
+    blocks in use; runningRequests: requests running per serving world. Read from each engine's
+    GET /admin/state at every health poll."""
+    target: float = Field(gt=0)
+    """The metric's target value: worlds = ceil(serving worlds x metric / target)."""
+    window_seconds: int = Field(default=30, ge=0, le=3600)
+    """The metric is the mean of the polls of this many past seconds (0: the latest poll)."""
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    """No scaling while metric / target stays within 1 +- tolerance."""
+    scale_up: ScaleUpRules = Field(default_factory=ScaleUpRules)
+    """Scale-up behavior (stabilization 0 s: at once, as an HPA's)."""
+    scale_down: ScaleDownRules = Field(default_factory=ScaleDownRules)
+    """Scale-down behavior (stabilization 300 s, as an HPA's)."""
+    idle: IdleSpec = Field(default_factory=IdleSpec)
+    """Scale to zero in two tiers: asleep, then released."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.minReplicas must not exceed autoscaling.maxReplicas")
+        if self.metric == "kvCacheUsage" and self.target > 1:
+            raise ValueError("autoscaling.target of kvCacheUsage is a fraction of the KV cache (at most 1)")
+        return self
+
+
 ENGINE_ARGS_RULE = {
     "rule": "self.all(a, !a.matches('^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$'))",
     "message": "engineArgs must not set "
@@ -464,6 +569,9 @@ class LLMDeploymentSpec(_Model):
     """How the operator watches worlds and restarts dead ones."""
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     """The Service that is the deployment's OpenAI endpoint."""
+    autoscaling: AutoscalingSpec | None = None
+    """Scale the worlds on the engines' load, and to zero when idle (asleep, then released).
+    Unset: `replicas` worlds, changed only through the spec or the scale subresource."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> LLMDeploymentSpec:
@@ -496,6 +604,11 @@ class LLMDeploymentSpec(_Model):
             if self.gpus_per_node
             else self.tensor_parallel_size
         )
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """Every world may sleep or be released for idleness: an activator holds the requests."""
+        return self.autoscaling is not None and self.autoscaling.idle.min_awake == 0
 
     @property
     def served_model_name(self) -> str | None:

@@ -187,6 +187,9 @@ class WorldStatus(_Status):
     """The last sleep, wakeup or weight swap the operator asked this engine for."""
     api_errors: list[ApiError] | None = None
     """Writes to this world's children the API server refuses, retried with backoff."""
+    tier: Literal["awake", "asleep"] | None = None
+    """With spec.autoscaling: awake, or asleep for idleness (released worlds have no entry; see
+    status.autoscaling)."""
 
 
 class RolloutStep(_Status):
@@ -227,6 +230,35 @@ class RolloutStatus(_Status):
     """Every world runs the target."""
 
 
+class AutoscalingStatus(_Status):
+    """What autoscaling measured and decided (spec.autoscaling): the operator never writes the spec."""
+
+    metric: str | None = None
+    """The metric it scales on."""
+    current_value: float | None = None
+    """The metric's mean over the window (absent while no world serves)."""
+    target: float | None = None
+    """The metric's target."""
+    desired_replicas: int | None = None
+    """The worlds the load asks for (within minReplicas and maxReplicas)."""
+    worlds: int | None = None
+    """The worlds that exist: desiredReplicas, or fewer while idle worlds are released."""
+    asleep_worlds: list[WorldIndex] | None = None
+    """Worlds asleep because no request came for idle.sleepAfterSeconds."""
+    released: bool | None = None
+    """True while the worlds beyond idle.minWorlds are released (deleted) for idleness."""
+    last_scale_time: str | None = None
+    """When it last changed desiredReplicas."""
+    last_scale_reason: str | None = None
+    """Why (the metric, its target, the worlds before and after)."""
+    last_activity_time: str | None = None
+    """The last poll that saw a request waiting, running or computed."""
+    asleep_since: str | None = None
+    """Since when the idle worlds sleep (releaseAfterSeconds counts from here)."""
+    held_requests: int | None = None
+    """Requests the activator holds while no world serves (spec.autoscaling.idle.minAwake 0)."""
+
+
 class LLMDeploymentStatus(_Status):
     """Observed state, written only by the operator."""
 
@@ -259,6 +291,8 @@ class LLMDeploymentStatus(_Status):
     """One entry per world."""
     rollout: RolloutStatus | None = None
     """The rollout's memory: what an operator restarted at any point resumes from."""
+    autoscaling: AutoscalingStatus | None = None
+    """What autoscaling measured and decided (spec.autoscaling)."""
     conflicts: list[Conflict] | None = None
     """Objects named like this LLMDeployment's children that it does not control (never adopted)."""
     api_errors: list[ApiError] | None = None

@@ -38,6 +38,7 @@ class TransitionOutcome:
     admission: str | None = None
     model_revision: str | None = None
     num_aborted: int = 0
+    engine_seconds: float | None = None  # how long the engine says the transition took
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -76,11 +77,14 @@ async def _post(
             kind,
             True,
             "done",
-            f"{kind} done in {float(answer.get('seconds') or seconds):.1f}s",
+            f"{kind} done in {float(answer.get('seconds') or seconds):.3f}s",
             seconds,
             admission=answer.get("admission"),
             model_revision=revision_text(answer.get("model_revision")),
             num_aborted=int(answer.get("num_aborted") or 0),
+            engine_seconds=float(answer["seconds"])
+            if isinstance(answer.get("seconds"), (int, float))
+            else None,
         )
     result = {409: "conflict", 400: "refused", 503: "dead"}.get(response.status_code, "failed")
     message = f"HTTP {response.status_code}: {_error_text(response)}"

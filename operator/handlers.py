@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import kopf
 
-from berth.operator import health, naming, reconcile, render
+from berth.operator import autoscale, health, naming, reconcile, render
 from berth.operator.child_problems import ChildProblems
 from berth.operator.crd_model import GROUP, PLURAL, VERSION, InvalidSpec, parse_spec
 from berth.operator.kube import Kube, KubeError
@@ -97,6 +97,8 @@ async def reconcile_children(
         raise kopf.PermanentError(f"invalid spec: {exc}") from None
 
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
+    # With autoscaling the worlds are the count it decided last (status), not spec.replicas.
+    parsed = autoscale.effective_spec(parsed, body.get("status"))
     try:
         # A fresh object has nothing to prune; updates and resumes may (scale down, frontends 0).
         outcome = await reconcile.reconcile(

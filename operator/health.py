@@ -48,6 +48,30 @@ class Probe:
     model_revision: str | None = None  # "PATH@DIGEST"
     model_label: str | None = None  # the name its weights were loaded under (spec.model.revision)
     sleep_level: int | None = None
+    load: EngineLoad | None = None  # what autoscaling reads
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine's load, from /admin/state."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    computed_tokens: int = 0  # prefill and decode tokens run since the engine started
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any]) -> EngineLoad:
+        def number(key: str, kind: type) -> Any:
+            value = state.get(key)
+            return kind(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else kind()
+
+        return cls(
+            number("num_running", int),
+            number("num_waiting", int),
+            number("kv_cache_usage", float),
+            number("num_computed_tokens", int),
+        )
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:
@@ -106,7 +130,7 @@ async def probe(
         ready_body = _json(ready)
         admission = ready_body.get("admission") or ("running" if ready.status_code == 200 else None)
         loading = ready_body.get("loading") if isinstance(ready_body.get("loading"), dict) else None
-        revision, label, level = None, None, None
+        revision, label, level, load = None, None, None, None
         if admin_token:
             # Details only: readiness stays the engine's own /ready answer (what the kubelet sees).
             state = await client.get(
@@ -117,6 +141,7 @@ async def probe(
                 revision = revision_text(body.get("model_revision"))
                 label = revision_label(body.get("model_revision"))
                 level = body.get("sleep_level") if isinstance(body.get("sleep_level"), int) else None
+                load = EngineLoad.of(body)
         return Probe(
             "alive",
             ready=ready.status_code == 200,
@@ -126,6 +151,7 @@ async def probe(
             model_revision=revision,
             model_label=label,
             sleep_level=level,
+            load=load,
         )
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         # InvalidURL is no HTTPError: an address that cannot be a URL must not end the daemon.

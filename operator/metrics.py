@@ -12,6 +12,24 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from berth.operator.restarts import RestartPolicy, recent_restarts
 
 RECONCILE_RESULTS = ("success", "retry", "invalid")
+# status.autoscaling key -> gauge name, help. The metric's value goes to the gauge of its name.
+AUTOSCALING_GAUGES = (
+    ("queueDepth", "queue_depth", "Requests waiting per serving world (mean over the autoscaling window)."),
+    (
+        "kvCacheUsage",
+        "kv_cache_usage",
+        "Mean fraction of KV cache blocks in use (over the autoscaling window).",
+    ),
+    (
+        "runningRequests",
+        "running_requests",
+        "Requests running per serving world (over the autoscaling window).",
+    ),
+    ("target", "autoscaling_target", "The autoscaling metric's target."),
+    ("desiredReplicas", "desired_worlds", "Worlds the load asks for (within minReplicas and maxReplicas)."),
+    ("worlds", "worlds", "Worlds that exist (fewer than desired while idle worlds are released)."),
+    ("asleepWorlds", "asleep_worlds", "Worlds asleep for idleness."),
+)
 
 
 class OperatorMetrics:
@@ -94,6 +112,11 @@ class OperatorMetrics:
             registry=registry,
         )
         self._world_series: dict[tuple[str, str], set[str]] = {}
+        # What autoscaling measured and decided, per LLMDeployment (status.autoscaling).
+        self.autoscaling = {
+            key: Gauge(f"berth_llmdeployment_{metric}", text, ["namespace", "name"], registry=registry)
+            for key, metric, text in AUTOSCALING_GAUGES
+        }
         self._phases: dict[tuple[str, str], Tally[str]] = {}
         self._lock = threading.Lock()
 
@@ -144,8 +167,21 @@ class OperatorMetrics:
                 if (labels["namespace"], labels["deployment"]) == (namespace, deployment):
                     with contextlib.suppress(KeyError):
                         self.rollout_failed.remove(namespace, deployment, labels["world"])
+    def set_autoscaling(self, namespace: str, deployment: str, status: dict) -> None:
+        """One deployment's status.autoscaling as gauges (the metric under its own name)."""
+        values = {**status, status.get("metric"): status.get("currentValue")}
+        values["asleepWorlds"] = len(status.get("asleepWorlds") or [])
+        for key, gauge in self.autoscaling.items():
+            if isinstance(values.get(key), (int, float)):
+                gauge.labels(namespace, deployment).set(values[key])
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(namespace, deployment)
 
     def forget(self, namespace: str, deployment: str) -> None:
+        for gauge in self.autoscaling.values():
+            with contextlib.suppress(KeyError):
+                gauge.remove(namespace, deployment)
         for state in ("done", "in_flight", "waiting"):
             with contextlib.suppress(KeyError):
                 self.rollout_worlds.remove(namespace, deployment, state)

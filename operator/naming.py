@@ -27,6 +27,7 @@ ROLES = ("launcher", "worker", "frontend")
 
 ENGINE_PORT = 8000  # the OpenAI server in launcher and frontend pods
 ATTACH_PORT = 8001  # the launcher's attach port for frontends
+ACTIVATOR_ADMIN_PORT = 8002  # the activator's port for the operator (no Service exposes it)
 SSH_PORT = 22
 
 HOSTFILE_DIR = "/etc/berth/hostfile"
@@ -55,6 +56,10 @@ def frontend_name(deployment: str, world: int) -> str:
 def worker_pod_name(deployment: str, world: int, ordinal: int) -> str:
     """The name the StatefulSet controller gives worker `ordinal`."""
     return f"{world_name(deployment, world)}-{ordinal}"
+
+
+def activator_name(deployment: str) -> str:
+    return f"{deployment}-activator"
 
 
 def service_name(deployment: str) -> str:

@@ -453,32 +453,45 @@ def frontend_command(owner: Owner, world: int) -> list[str]:
 def frontend_deployment(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     labels = naming.role_labels(owner.name, world, "frontend")
     selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.WORLD, naming.ROLE)}
+    container = {
+        "name": "frontend",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": frontend_command(owner, world),
+        "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT}],
+        "env": _secret_env(owner) + _user_env(spec, world),
+        "resources": spec.launcher_resources.as_dict(),
+        **_http_probes(spec),
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    name = naming.frontend_name(owner.name, world)
+    return _non_root_deployment(owner, spec, name, labels, selector, spec.frontends, container)
+
+
+def _non_root_deployment(
+    owner: Owner,
+    spec: LLMDeploymentSpec,
+    name: str,
+    labels: dict[str, str],
+    selector: dict[str, str],
+    replicas: int,
+    container: dict[str, Any],
+) -> dict[str, Any]:
+    """A Deployment of pods that run one container as the image's user, placed like the rest."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, naming.frontend_name(owner.name, world), labels),
+        "metadata": _metadata(owner, name, labels),
         "spec": {
-            "replicas": spec.frontends,
+            "replicas": replicas,
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
                     **_placement(spec),
                     "securityContext": _pod_security(as_root=False),
-                    "containers": [
-                        {
-                            "name": "frontend",
-                            "image": spec.image,
-                            "imagePullPolicy": spec.image_pull_policy,
-                            "command": frontend_command(owner, world),
-                            "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT}],
-                            "env": _secret_env(owner) + _user_env(spec, world),
-                            "resources": spec.launcher_resources.as_dict(),
-                            **_http_probes(spec),
-                            "securityContext": _container_security(),
-                            "terminationMessagePolicy": "FallbackToLogsOnError",
-                        }
-                    ],
+                    "containers": [container],
                 },
             },
         },
@@ -502,6 +515,40 @@ def world_children(owner: Owner, spec: LLMDeploymentSpec, world: int) -> list[di
 # --- per deployment ------------------------------------------------------------------------
 
 
+def activator_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    """The pod that stays in the Service while every world sleeps or is released: it holds the
+    requests and tells the operator (`berth activator`, engine/serve/activator.py)."""
+    labels = {
+        **naming.common_labels(owner.name),
+        naming.ROLE: "activator",
+        naming.COMPONENT: "activator",
+        naming.ENDPOINT: "true",
+    }
+    selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.ROLE)}
+    timeout = spec.autoscaling.idle.wake_timeout_seconds if spec.autoscaling else 300
+    command = ["berth", "activator", "--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT)]
+    command += ["--admin-port", str(naming.ACTIVATOR_ADMIN_PORT), "--wake-timeout", str(timeout)]
+    container = {
+        "name": "activator",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": command,
+        "ports": [
+            {"name": "http", "containerPort": naming.ENGINE_PORT},
+            {"name": "admin", "containerPort": naming.ACTIVATOR_ADMIN_PORT},
+        ],
+        "env": [_secret_env(owner)[1]],  # the admin token only
+        "resources": spec.launcher_resources.as_dict(),
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10},
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    return _non_root_deployment(
+        owner, spec, naming.activator_name(owner.name), labels, selector, 1, container
+    )
+
+
 def endpoint_service(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
     labels = naming.common_labels(owner.name)
     return {
@@ -523,4 +570,6 @@ def children(owner: Owner, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
     for world in range(spec.replicas):
         result += world_children(owner, spec, world)
     result.append(endpoint_service(owner, spec))
+    if spec.scales_to_zero:
+        result.append(activator_deployment(owner, spec))
     return result

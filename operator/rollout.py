@@ -47,6 +47,7 @@ class WorldState:
     # path differs and in-place swaps are allowed (swap); None: current.
     outdated: str | None
     busy: bool  # a sleep / wakeup of this world is in flight
+    idle: bool = False  # meant to sleep for idleness (spec.autoscaling): asleep is where it belongs
 
 
 @dataclass
@@ -77,7 +78,7 @@ def plan(
     `asleep`: the deployment's intent is that every world sleeps (manual or scheduled)."""
 
     def resting(world: WorldState) -> bool:
-        return asleep and world.phase == "Sleeping"
+        return (asleep or world.idle) and world.phase == "Sleeping"
 
     def out_of_service(world: WorldState) -> bool:
         return not world.ready and not resting(world)

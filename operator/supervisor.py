@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 
 from berth.operator import conditions, engine_admin, naming, reconcile, render, rollout, schedule, worlds
+from berth.operator.autoscale import Autoscaler, Decision, WorldLoad, effective_spec
 from berth.operator.child_problems import ChildProblems, RefusedWrite, controlled_by, controller_of
 from berth.operator.crd_model import API_VERSION, KIND, InvalidSpec, LLMDeploymentSpec, parse_spec
 from berth.operator.credentials import unb64
-from berth.operator.health import AddressResolver, Probe, probe, resolve
+from berth.operator.demand import DemandWatcher
+from berth.operator.health import AddressResolver, EngineLoad, Probe, base_url, probe, resolve
 from berth.operator.kube import Conflict, Kube, KubeError
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import RestartPolicy, format_time, parse_time
@@ -80,6 +82,10 @@ class Supervisor:
         self.transitions = engine_admin.Transitions(on_end=wake)
         self._admin_token: str | None = None
         self._addresses: dict[int, tuple[str, int]] = {}  # world -> its launcher's address, this round
+        self._polls: dict[int, Probe] = {}  # world -> its engine's answer, the latest round
+        self.autoscaler = Autoscaler()
+        # With an activator (a deployment that scales to zero): its demand wakes the next round.
+        self.demand = DemandWatcher(http, wake or (lambda: None), logger)
         # Conflicting objects and refused writes, shared with the reconcile handler.
         self.problems = problems if problems is not None else ChildProblems()
 
@@ -87,6 +93,7 @@ class Supervisor:
         """Stop waiting for transitions in flight (the engines finish them on their own; a
         resumed operator reads where they ended from the admission state)."""
         self.transitions.cancel_all()
+        self.demand.close()
 
     async def tick(self, body: Mapping[str, Any], now: dt.datetime | None = None) -> float:
         """One round over every world; returns the seconds until the next one."""
@@ -121,6 +128,7 @@ class Supervisor:
         reconciled = (body.get("status") or {}).get("observedGeneration") is not None
         # The reconcile handler has acted on this very generation (it sets observedGeneration).
         reconciled_now = (body.get("status") or {}).get("observedGeneration") == meta.get("generation")
+        spec, scaled = await self._autoscale(owner, spec, previous_status, reconciled, now)
         await self._resync(owner, spec, reconciled, now)
         pods = await self._own_pods(owner)
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
@@ -163,6 +171,7 @@ class Supervisor:
                 admission=step.status.get("admission"),
                 outdated=None if index in orders else outdated,
                 busy=self.transitions.busy(index),
+                idle=scaled is not None and index in scaled.asleep,
             )
             for index, (step, _, outdated) in zip(world_list, steps)
         ]
@@ -188,9 +197,18 @@ class Supervisor:
             self._carry_out(owner, spec, index, order, steps[index][0], pods, orders, steps[index][2])
         in_rollout = {entry["world"] for entry in rolling.memory["inFlight"]}
         for index, (step, _, _) in zip(world_list, steps):
+            world_intent = intent
+            if scaled is not None:
+                step.status["tier"] = scaled.tier(index)
+                if index in scaled.asleep and not intent.asleep:
+                    world_intent = schedule.SleepIntent(
+                        True, spec.autoscaling.idle.level, "autoscaling (idle)"
+                    )
             if index not in orders and index not in in_rollout:
-                self._steer_sleep(spec, intent, index, step, by_name, owner, now)
+                self._steer_sleep(spec, world_intent, index, step, by_name, owner, now)
         self.metrics.set_rollout(namespace, name, rolling.memory, spec.replicas)
+        if spec.scales_to_zero:
+            await self._tell_activator(owner, statuses, finished)
         retiring = await self._retire_worlds(owner, spec, pods, previous_worlds, finished, token, now)
 
         for world_status in statuses:
@@ -198,10 +216,18 @@ class Supervisor:
             if errors:
                 world_status["apiErrors"] = errors
         conflicts = [conflict.describe() for _, conflict in sorted(self.problems.conflicts.items())]
+        summarised, desired, summary_intent = statuses, spec.replicas, intent
+        if scaled is not None and scaled.asleep and not intent.asleep:
+            # Worlds asleep for idleness are where they belong: the others are judged alone.
+            summarised = [world for world in statuses if world["index"] not in scaled.asleep]
+            desired = len(summarised)
+            if not summarised:
+                summarised, desired = statuses, spec.replicas
+                summary_intent = schedule.SleepIntent(True, spec.autoscaling.idle.level, "autoscaling (idle)")
         conds, phase = conditions.summarise(
-            statuses,
-            spec.replicas,
-            sleep=intent,
+            summarised,
+            desired,
+            sleep=summary_intent,
             retiring=retiring,
             conflicts=conflicts,
             rollout=rolling.memory,
@@ -219,6 +245,8 @@ class Supervisor:
             "rollout": rolling.memory,
             "conflicts": self.problems.conflicts_status() or None,
             "apiErrors": self.problems.deployment_errors() or None,
+            "replicas": spec.replicas,
+            "autoscaling": scaled.status if scaled is not None else None,
         }
         # Status first, then the pods: a restart is counted (and its backoff started) before any
         # pod goes, so a failed status write can never make one death count twice.
@@ -256,6 +284,97 @@ class Supervisor:
             # Wake up for the next scheduled transition: it happens at its time, not a poll later.
             interval = min(interval, until + 0.01)
         return interval
+
+    async def _autoscale(
+        self,
+        owner: render.Owner,
+        spec: LLMDeploymentSpec,
+        previous: Mapping[str, Any],
+        reconciled: bool,
+        now: dt.datetime,
+    ) -> tuple[LLMDeploymentSpec, Decision | None]:
+        """The spec with the worlds autoscaling wants (from the previous round's polls), and its
+        decision. New worlds are built at once (the reconcile's path); surplus ones retire (drained
+        by sleep, then removed) as on any scale-down."""
+        if spec.autoscaling is None:
+            return spec, None
+        current = effective_spec(spec, previous)
+        phases = {world.get("index"): world.get("phase") for world in previous.get("worlds") or []}
+        loads = []
+        for index in range(current.replicas):
+            poll = self._polls.get(index)
+            alive = poll is not None and poll.status == "alive"
+            load = poll.load if alive and poll.load is not None else EngineLoad()
+            loads.append(
+                WorldLoad(
+                    index=index,
+                    serving=alive and poll.ready and poll.admission == "running",
+                    settled=phases.get(index) in SETTLED_PHASES,
+                    num_running=load.num_running,
+                    num_waiting=load.num_waiting,
+                    kv_cache_usage=load.kv_cache_usage,
+                    computed_tokens=load.computed_tokens if alive and poll.load is not None else None,
+                )
+            )
+        held = self.demand.held if spec.scales_to_zero else 0
+        decision = self.autoscaler.decide(
+            spec.autoscaling, spec.replicas, loads, previous.get("autoscaling"), now, held
+        )
+        for event in decision.events:
+            self.post_event(*event)
+        self.metrics.set_autoscaling(owner.namespace, owner.name, decision.status)
+        for index in [index for index in self._polls if index >= decision.worlds]:
+            del self._polls[index]  # a world built again later is polled anew
+        wanted = spec.model_copy(update={"replicas": decision.worlds})
+        if decision.worlds > current.replicas and reconciled:
+            outcome = await reconcile.reconcile(self.kube, owner, wanted, prune_extra=False, drift=self.drift)
+            for event in outcome.events() + outcome.record(self.problems, now):
+                self.post_event(*event)
+        return wanted, decision
+
+    async def _tell_activator(
+        self,
+        owner: render.Owner,
+        statuses: list[dict[str, Any]],
+        finished: Mapping[int, tuple[str, engine_admin.TransitionOutcome]],
+    ) -> None:
+        """The activator learns which worlds serve (it forwards its held requests there) and why
+        a wake failed (each held request gets that error)."""
+        labels = {naming.DEPLOYMENT: owner.name, naming.ROLE: "activator"}
+        deployment = await self.kube.get(
+            "apps/v1", "Deployment", owner.namespace, naming.activator_name(owner.name)
+        )
+        pods = await self.kube.list("v1", "Pod", owner.namespace, labels) if deployment else []
+        ours = deployment is not None and controlled_by(deployment, owner.uid)
+        running = [
+            pod
+            for pod in pods
+            if ours
+            and (pod.get("status") or {}).get("podIP")
+            and not pod["metadata"].get("deletionTimestamp")
+        ]
+        address = (running[0]["status"]["podIP"], naming.ACTIVATOR_ADMIN_PORT) if running else None
+        serving = [
+            base_url(self._addresses[world["index"]])
+            for world in statuses
+            if world.get("phase") == "Ready" and world["index"] in self._addresses
+        ]
+        wake_failures = [
+            f"world {index}: {outcome.kind} {outcome.result}: {outcome.message}"
+            for index, (purpose, outcome) in sorted(finished.items())
+            if purpose == "wake" and not outcome.ok and outcome.result != "conflict"
+        ]
+        failed_worlds = [
+            f"world {world['index']} failed: {world.get('lastEngineError') or world.get('message')}"
+            for world in statuses
+            if world.get("phase") == "Failed"
+        ]
+        failure = None
+        if not serving and wake_failures:
+            failure = "; ".join(wake_failures)
+        elif not serving and statuses and len(failed_worlds) == len(statuses):
+            failure = "; ".join(failed_worlds)  # out of restarts: nothing will come up soon
+        self.demand.update(address, serving, failure, self._admin_token)
 
     async def _retire_worlds(
         self,
@@ -581,12 +700,14 @@ class Supervisor:
         )
         result: Probe | None = None
         self._addresses.pop(index, None)
+        self._polls.pop(index, None)
         if view.running and view.failure is None and launcher is not None:
             address = await resolve(self.resolver, launcher)
             if address is not None:
                 self._addresses[index] = address
                 result = await probe(self.http, address, spec.health.timeout_seconds, token)
                 self.metrics.probe_seconds.labels(result.status).observe(result.seconds)
+                self._polls[index] = result
         step = worlds.step(index, previous, view, result, now, spec, owner.name)
         outdated = await self._changed_pod_spec(owner, spec, index, launcher, workers)
         if (

@@ -1,4 +1,4 @@
-"""`berth bench {throughput,proxy,serve,sleep}`."""
+"""`berth bench {throughput,proxy,serve,sleep,wake}`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ BENCHMARKS = {
     "proxy": ("berth.engine.bench.proxy", "the proxy + worker shape vs the in-process engine"),
     "serve": ("berth.engine.bench.serve", "load-test a running OpenAI-compatible server"),
     "sleep": ("berth.engine.bench.sleep", "sleep / wakeup: time to PARKED and back, memory released"),
+    "wake": (
+        "berth.engine.bench.wake",
+        "the first request to a sleeping or released world (through the activator) vs wake and cold start",
+    ),
 }
 
 

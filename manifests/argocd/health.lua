@@ -3,7 +3,8 @@
 -- (each condition's observedGeneration) have seen the current generation. Progressing: a new
 -- spec not reconciled or not judged yet, worlds starting, restarting, parking or waking, a
 -- scale-down draining. Suspended: every engine sleeps because spec.sleep says so (as Argo CD
--- shows a stopped KServe service); asleep on a schedule is Healthy, saying when it wakes. A
+-- shows a stopped KServe service); asleep on a schedule is Healthy, saying when it wakes, and
+-- so is asleep for idleness (spec.autoscaling: the first request wakes it). A
 -- rollout under way is Progressing (Degraded once it stopped on a world that failed it).
 -- Degraded: a world used up its restarts (the message carries the engine's own error) or the
 -- operator refused the spec (observedGeneration is set then).
@@ -73,8 +74,9 @@ if rollout ~= nil and rollout.target ~= nil and rollout.complete ~= true then
 end
 
 local sleeping = condition("Sleeping")
-if sleeping ~= nil and sleeping.status == "True" and sleeping.reason == "ScheduledSleep" then
-  -- Asleep as its schedule says: the plan, nothing for anyone to do. The message says when it wakes.
+if sleeping ~= nil and sleeping.status == "True" and (sleeping.reason == "ScheduledSleep" or sleeping.reason == "IdleSleep") then
+  -- Asleep as its schedule says, or idle (spec.autoscaling: the first request wakes it): the
+  -- plan, nothing for anyone to do. The message says when it wakes.
   hs.status = "Healthy"
   hs.message = sleeping.message or "asleep on schedule"
   local upcoming = obj.status.nextTransition

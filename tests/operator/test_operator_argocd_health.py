@@ -84,6 +84,15 @@ def test_asleep_on_schedule_is_healthy_and_says_when_it_wakes() -> None:
     assert health(cr(Ready=NOT_READY, Sleeping=parking, Degraded=NOT_DEGRADED))["status"] == "Progressing"
 
 
+def test_asleep_for_idleness_is_healthy() -> None:
+    """spec.autoscaling put every world to sleep: the plan, the first request wakes it."""
+    parked = ("True", "IdleSleep", "asleep at level 1 by autoscaling (idle): 1/1 engines parked")
+    assert health(cr(Ready=NOT_READY, Sleeping=parked, Degraded=NOT_DEGRADED)) == {
+        "status": "Healthy",
+        "message": parked[2],
+    }
+
+
 def test_a_rollout_under_way_is_progressing_even_with_every_world_ready() -> None:
     obj = cr(Ready=READY, Degraded=NOT_DEGRADED, Sleeping=AWAKE)
     obj["status"]["rollout"] = {"target": "06c4", "done": [0], "inFlight": []}  # between two worlds

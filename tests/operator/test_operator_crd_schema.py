@@ -239,6 +239,26 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("unknown service type", with_spec(service={"type": "Ingress"}), "'Ingress' is not one of"),
     (
+        "autoscaling bounds crossed",
+        with_spec(autoscaling={"minReplicas": 3, "maxReplicas": 2, "target": 4}),
+        "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+    ),
+    (
+        "KV cache target above a whole cache",
+        with_spec(autoscaling={"maxReplicas": 2, "metric": "kvCacheUsage", "target": 80}),
+        "autoscaling.target of kvCacheUsage is a fraction of the KV cache",
+    ),
+    (
+        "idle release without idle sleep",
+        with_spec(autoscaling={"maxReplicas": 2, "target": 4, "idle": {"releaseAfterSeconds": 60}}),
+        "idle.releaseAfterSeconds counts from the idle sleep",
+    ),
+    (
+        "autoscaling target zero",
+        with_spec(autoscaling={"maxReplicas": 2, "target": 0}),
+        "0 is less than or equal to the minimum of 0",
+    ),
+    (
         "name too long for its children",
         {**minimal(), "metadata": {"name": "a" * 48}},
         "metadata.name must be at most 47 characters",
@@ -271,7 +291,7 @@ def test_bad_documents_are_rejected_with_the_expected_message(
 
 def test_every_cel_rule_compiles_and_has_a_message() -> None:
     rules = list(rule_sites(SCHEMA))
-    assert len(rules) == 10
+    assert len(rules) == 13
     for _, rule in rules:
         cel_rules.program(rule["rule"])  # raises RuleError when cel-python cannot compile it
         assert rule.get("message"), f"rule without a message: {rule['rule']}"

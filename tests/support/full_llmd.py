@@ -58,6 +58,24 @@ SPEC: dict[str, Any] = {
         "startupTimeoutSeconds": 600,
     },
     "service": {"type": "ClusterIP", "port": 8000, "annotations": {"example.com/lb": "internal"}},
+    "autoscaling": {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "metric": "queueDepth",
+        "target": 2.5,
+        "windowSeconds": 30,
+        "tolerance": 0.1,
+        "scaleUp": {"stabilizationWindowSeconds": 0},
+        "scaleDown": {"stabilizationWindowSeconds": 300},
+        "idle": {
+            "sleepAfterSeconds": 300,
+            "minAwake": 1,
+            "level": 1,
+            "releaseAfterSeconds": 1800,
+            "minWorlds": 0,
+            "wakeTimeoutSeconds": 300,
+        },
+    },
 }
 
 API_ERROR = {
@@ -129,6 +147,7 @@ STATUS: dict[str, Any] = {
                 "time": TIME,
             },
             "apiErrors": [API_ERROR],
+            "tier": "awake",
         }
     ],
     "rollout": {
@@ -140,6 +159,20 @@ STATUS: dict[str, Any] = {
     },
     "conflicts": [{"kind": "Service", "name": "llama", "owner": "nobody", "world": 0}],
     "apiErrors": [API_ERROR],
+    "autoscaling": {
+        "metric": "queueDepth",
+        "currentValue": 3.5,
+        "target": 2.5,
+        "desiredReplicas": 3,
+        "worlds": 3,
+        "asleepWorlds": [2],
+        "released": True,
+        "lastScaleTime": TIME,
+        "lastScaleReason": "queueDepth 3.5 against target 2.5 over 2 serving world(s): 2 -> 3 world(s)",
+        "lastActivityTime": TIME,
+        "asleepSince": TIME,
+        "heldRequests": 2,
+    },
     "kopf": {"progress": {"reconcile_children": {"started": TIME}}},
 }
 
