@@ -84,10 +84,10 @@ def busy(ip: str) -> bool:
     values = {
         line.split("{")[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(("berth:num_requests_running{", "berth:num_requests_waiting{"))
+        if line.startswith(("berth_num_requests_running{", "berth_num_requests_waiting{"))
     }
     return (
-        values.get("berth:num_requests_running", 0) >= 1 and values.get("berth:num_requests_waiting", 0) >= 1
+        values.get("berth_num_requests_running", 0) >= 1 and values.get("berth_num_requests_waiting", 0) >= 1
     )
 
 
