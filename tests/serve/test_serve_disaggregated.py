@@ -116,6 +116,21 @@ def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_n(split):
     assert ended.status_code == 200 and ended.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_client_that_leaves_mid_stream_aborts_on_both_servers(split):
+    """The router closes the generation server's stream; its request is aborted there, and the
+    context server's pin was released after the pull: neither keeps a block."""
+    context, generation, router = split
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[2], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        next(line for line in reply.iter_lines() if line.startswith("data: "))  # streaming: now leave
+    for server in (generation, context):  # the abort's own response brings fresh stats
+        assert wait_until(lambda s=server: s.admin_state()["num_pending"] == 0, 30), server.admin_state()
+        assert wait_until(lambda s=server: s.admin_state()["kv_blocks_used"] == 0, 10), server.admin_state()
+    aborted = 'berth_request_success_total{finished_reason="abort",model_name="tiny"} 1.0'
+    assert aborted in generation.get("/metrics").text  # it ended there as an abort, not by its length
+
+
 def test_a_key_mismatch_and_a_context_server_killed_after_prefill_fail_clearly_and_leak_nothing(
     split, tiny_model, tmp_path
 ):
@@ -123,7 +138,8 @@ def test_a_key_mismatch_and_a_context_server_killed_after_prefill_fail_clearly_a
     _, generation, _ = split
     doomed = ServerProcess(
         tiny_model, *ENGINE_ARGS, "--served-model-name", MODEL_NAME, "--role", "context",
-        "--kv-transfer-endpoint", f"ipc://{tmp_path}/kv", env={"BERTH_KV_TRANSFER_KEY": secrets.token_hex(32)},
+        "--kv-transfer-endpoint", f"ipc://{tmp_path}/kv",
+        env={"BERTH_KV_TRANSFER_KEY": secrets.token_hex(32)},
     )  # fmt: skip
     try:
         first = complete(
