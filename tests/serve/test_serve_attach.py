@@ -248,15 +248,16 @@ def refusal(server: ServerProcess) -> tuple:
 def test_frontends_follow_the_owners_sleep_and_wakeup_and_cannot_drive_them(world):
     owner, frontends = world
     a = frontends[0]
-    # A drain lets a frontend's stream in flight finish, as it does the owner's own.
-    in_flight = in_background([(a, completion(prompt="drained", max_tokens=200, ignore_eos=True))])
+    # A drain lets a frontend's stream in flight finish, as it does the owner's own. It is LONG so
+    # that it is still running when looked for (a short one can end between two looks).
+    in_flight = in_background([(a, completion(prompt="drained", max_tokens=LONG, ignore_eos=True))])
     assert wait_until(lambda: running(owner) == 1, 30)
     slept = admin(owner, "/admin/sleep", {"level": 1, "mode": "drain"})
     assert slept.status_code == 200 and slept.json()["admission"] == "parked", slept.text
-    in_flight.join(60)
+    in_flight.join(120)
     [drained] = in_flight.outcome
     assert not isinstance(drained, BaseException), drained
-    assert drained["finish_reason"] == "length" and drained["tokens"] == 200
+    assert drained["finish_reason"] == "length" and drained["tokens"] == LONG
     owners = refusal(owner)
     assert owners[0] == 503 and int(owners[1]) > 0 and owners[2]["error"]["code"] == "admission_closed"
     for frontend in frontends:
