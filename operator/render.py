@@ -359,6 +359,9 @@ def launcher_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
         "0.0.0.0",
         "--port",
         str(naming.ENGINE_PORT),
+        # The operator's own port (sleep, wakeup, state): the Services expose only --port.
+        "--admin-port",
+        str(naming.ADMIN_PORT),
         # Always: the frontend Deployment attaches here (and may be scaled up from 0 later).
         "--attach-port",
         str(naming.ATTACH_PORT),
@@ -398,6 +401,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
                 "ports": [
                     {"name": "http", "containerPort": naming.ENGINE_PORT},
                     {"name": "attach", "containerPort": naming.ATTACH_PORT},
+                    {"name": "admin", "containerPort": naming.ADMIN_PORT},
                 ],
                 "env": _secret_env(owner) + _user_env(spec, world),
                 "resources": spec.launcher_resources.as_dict(),

@@ -159,12 +159,13 @@ def test_launcher_pod() -> None:
     assert container["command"] == [
         "berth", "launch", "/models/llama", "--hostfile", "/etc/berth/hostfile/hostfile",
         "--tensor-parallel-size", "4", "--gpus-per-node", "2", "--host", "0.0.0.0", "--port", "8000",
-        "--attach-port", "8001", "--served-model-name", "llama-8b", "--max-num-seqs=8",
-        "--enable-prefix-caching",
+        "--admin-port", "8002", "--attach-port", "8001", "--served-model-name", "llama-8b",
+        "--max-num-seqs=8", "--enable-prefix-caching",
     ]  # fmt: skip
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000},
         {"name": "attach", "containerPort": 8001},
+        {"name": "admin", "containerPort": 8002},
     ]
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
@@ -295,6 +296,16 @@ def test_endpoint_service() -> None:
         "selector": {naming.DEPLOYMENT: "llama", naming.ENDPOINT: "true"},
         "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
     }
+
+
+def test_no_service_exposes_the_admin_port() -> None:
+    """The operator reaches /admin on the launcher pod's IP; no Service routes there."""
+    services = [child for child in render.children(OWNER, spec()) if child["kind"] == "Service"]
+    assert services
+    for service in services:
+        for port in service["spec"]["ports"]:
+            assert naming.ADMIN_PORT not in (port["port"], port["targetPort"]), service["metadata"]["name"]
+            assert port["targetPort"] != "admin"
 
 
 def test_secrets_carry_generated_material() -> None:
