@@ -38,6 +38,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: ko
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
         field="status.kopf.lastHandledConfiguration"
     )
+    # No watch of CustomResourceDefinitions or Namespaces (cluster-scoped: they would need a
+    # ClusterRole in the namespaced install): the CRD ships with the operator and is found by
+    # discovery at start; namespaces are given by name (--namespace) or all of them.
+    settings.scanning.disabled = True
     settings.posting.reporting_component = "berth-operator"
     settings.posting.event_name_prefix = "berth-"
     memo.kube = await Kube.connect(memo.get("kubeconfig"))
