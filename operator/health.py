@@ -17,6 +17,7 @@ import httpx
 
 from berth.operator import naming
 
+
 class Address(NamedTuple):
     """Where an engine answers: its public port (OpenAI API and probes) and its admin port."""
 

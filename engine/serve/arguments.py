@@ -218,5 +218,5 @@ def check_server_options(args: argparse.Namespace) -> str | None:
     if args.max_request_body_bytes is not None and args.max_request_body_bytes < 1:
         return f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}"
     if args.admin_port is not None and args.admin_port == args.port != 0:
-        return f"--admin-port must differ from --port ({args.port}): the admin routes get a listener of their own"
+        return f"--admin-port must differ from --port ({args.port}): /admin gets a listener of its own"
     return None

@@ -11,9 +11,9 @@ import signal
 import threading
 import time
 
+from berth.engine.serve.admin_listener import bind_admin
 from berth.engine.serve.arguments import ATTACH_ADDRESS, OWNER_OPTIONS, check_server_options, fail
 from berth.engine.serve.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
-from berth.engine.serve.admin_listener import bind_admin
 from berth.engine.serve.server import quiet_metrics, serve_app
 
 WAITING_REPORT_SECONDS = 10.0  # how often a frontend that cannot attach says so

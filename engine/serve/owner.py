@@ -17,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
+from berth.engine.serve.admin_listener import bind_admin
 from berth.engine.serve.arguments import ENGINE_OPTIONS, check_server_options, fail
 from berth.engine.serve.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
-from berth.engine.serve.admin_listener import bind_admin
 from berth.engine.serve.server import quiet_metrics, serve_app
 
 

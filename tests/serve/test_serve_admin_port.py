@@ -18,6 +18,7 @@ from tests.serve.server_process import ADMIN_TOKEN, API_KEY, ENGINE_ARGS, Server
 from tests.serve.test_serve_cli import assert_refused, berth
 from tests.support.engine_endpoint import free_port
 
+
 @pytest.fixture(scope="module")
 def server(tiny_model: Path):
     process = ServerProcess(
@@ -59,7 +60,8 @@ def test_the_api_and_probes_answer_only_on_the_public_port(server: ServerProcess
 
 def test_admin_port_equal_to_the_public_port_is_refused(tiny_model: Path):
     port = str(free_port())
-    assert_refused(berth("serve", str(tiny_model), "--port", port, "--admin-port", port), "--admin-port must differ")
+    result = berth("serve", str(tiny_model), "--port", port, "--admin-port", port)
+    assert_refused(result, "--admin-port must differ")
 
 
 def test_a_taken_admin_port_is_refused_before_loading(tiny_model: Path):

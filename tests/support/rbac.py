@@ -131,7 +131,7 @@ class Authorizer:
         where = f' in the namespace "{wanted.namespace}"' if wanted.namespace else " at the cluster scope"
         resource, _, sub = wanted.resource.partition("/")
         return (
-            f'{resource}{"/" + sub if sub else ""} is forbidden: User '
+            f"{resource}{'/' + sub if sub else ''} is forbidden: User "
             f'"system:serviceaccount:{self.account_namespace}:{self.service_account}" cannot '
             f'{wanted.verb} resource "{wanted.resource}" in API group "{wanted.group}"{where}'
         )
