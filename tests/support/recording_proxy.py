@@ -22,6 +22,7 @@ class Recorded:
     method: str
     path: str
     authorization: str | None
+    uid: str = ""  # the pod's uid: a restarted launcher keeps its name, not its uid
 
 
 @dataclass
@@ -48,7 +49,13 @@ class RecordingResolver:
 
         async def forward(request: web.Request) -> web.StreamResponse:
             self.requests.append(
-                Recorded(name, request.method, request.path, request.headers.get("Authorization"))
+                Recorded(
+                    name,
+                    request.method,
+                    request.path,
+                    request.headers.get("Authorization"),
+                    pod["metadata"]["uid"],
+                )
             )
             target = self.upstream(pod)
             if target is None:
