@@ -1,8 +1,8 @@
 """`berth operator` as a process of its own, for tests that kill it (`kill -9`), run two of
 them, or cut them off: the same entry point as the CLI's (`berth.operator.cli.run_operator`,
 leader election and kopf included), with one difference a test needs: launcher pods are mapped
-to their engines through a JSON file the test keeps current (pod uid -> [host, port]), since the
-engines run on 127.0.0.1, not at pod IPs.
+to their engines through a JSON file the test keeps current (pod uid -> [host, port]), when the
+engines run on 127.0.0.1, not at pod IPs (without --addresses: pod IPs, as in a cluster).
 
     python tests/support/operator_process.py --addresses FILE [berth operator's arguments]
 """
@@ -34,10 +34,11 @@ class FileResolver:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="operator_process")
-    parser.add_argument("--addresses", type=Path, required=True)
+    parser.add_argument("--addresses", type=Path, help="without it: pod IPs, as in a cluster")
     cli.add_arguments(parser)
     args = parser.parse_args(argv)
-    return cli.run_operator(args, {"resolve_launcher_address": FileResolver(args.addresses)})
+    memo = {"resolve_launcher_address": FileResolver(args.addresses)} if args.addresses else {}
+    return cli.run_operator(args, memo)
 
 
 if __name__ == "__main__":
