@@ -41,6 +41,7 @@ MANAGED_FLAGS = (
     "gpus-per-node",
     "host",
     "port",
+    "admin-port",
     "served-model-name",
     "attach",
 )
@@ -386,6 +387,15 @@ class ServiceSpec(_Model):
     """Annotations for the Service (e.g. for a load balancer)."""
 
 
+class NetworkPolicySpec(_Model):
+    """The NetworkPolicies rendered with the deployment (operator/README.md, "Network")."""
+
+    enabled: bool = True
+    """Render them: clients reach only the OpenAI port, frontends the attach port, the operator
+    the admin port, and the pods of one world each other; everything else to the pods is denied.
+    False: none (a cluster whose own policies say it)."""
+
+
 ENGINE_ARGS_RULE = {
     "rule": "self.all(a, !a.matches('^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$'))",
     "message": "engineArgs must not set "
@@ -464,6 +474,8 @@ class LLMDeploymentSpec(_Model):
     """How the operator watches worlds and restarts dead ones."""
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     """The Service that is the deployment's OpenAI endpoint."""
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    """Ingress rules for the deployment's pods (on by default)."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> LLMDeploymentSpec:

@@ -58,6 +58,7 @@ SPEC: dict[str, Any] = {
         "startupTimeoutSeconds": 600,
     },
     "service": {"type": "ClusterIP", "port": 8000, "annotations": {"example.com/lb": "internal"}},
+    "networkPolicy": {"enabled": True},
 }
 
 API_ERROR = {
