@@ -35,7 +35,7 @@ from tests.operator.test_operator_rollout import (
     status,
 )
 from tests.operator.test_operator_rollout import two_ready_worlds as apply_two_worlds
-from tests.support.cluster import Cluster, ClusterSim, wait_for
+from tests.support.cluster import Cluster, ClusterSim, sampling, wait_for
 from tests.support.engine_endpoint import EngineFleet, free_port
 from tests.support.rbac import Authorizer
 from tests.support.recording_proxy import RecordingResolver, recording
@@ -74,27 +74,18 @@ async def operator_process(
         await asyncio.wait_for(process.wait(), 30)
 
 
-@contextlib.asynccontextmanager
-async def published(cluster: Cluster, resolver: RecordingResolver, path: Path) -> AsyncIterator[None]:
-    """Keeps `path` current: each running launcher pod's uid -> its recording proxy's address."""
+def publisher(cluster: Cluster, resolver: RecordingResolver, path: Path):
+    """Writes `path`: each running launcher pod's uid -> its recording proxy's address."""
 
     async def publish() -> None:
-        while True:
-            addresses = {}
-            for pod in cluster.objects("v1/pods"):
-                if EngineFleet.is_launcher(pod) and (address := await resolver(pod)) is not None:
-                    addresses[pod["metadata"]["uid"]] = list(address)
-            path.with_suffix(".tmp").write_text(json.dumps(addresses))
-            path.with_suffix(".tmp").replace(path)
-            await asyncio.sleep(0.1)
+        addresses = {}
+        for pod in cluster.objects("v1/pods"):
+            if EngineFleet.is_launcher(pod) and (address := await resolver(pod)) is not None:
+                addresses[pod["metadata"]["uid"]] = list(address)
+        path.with_suffix(".tmp").write_text(json.dumps(addresses))
+        path.with_suffix(".tmp").replace(path)
 
-    task = asyncio.create_task(publish())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    return publish
 
 
 def transitions(resolver: RecordingResolver) -> Counter[tuple[str, str]]:
@@ -116,7 +107,7 @@ async def test_the_standby_takes_over_a_rollout_from_a_killed_leader_and_repeats
     addresses.write_text("{}")
     async with (
         recording(fleet.resolve) as resolver,
-        published(cluster, resolver, addresses),
+        sampling(publisher(cluster, resolver, addresses), 0.1),
         operator_process(cluster, addresses, tmp_path / "a.log") as first,
     ):
         await wait_for(lambda: lease(cluster).get("holderIdentity"), 60, "the first operator leading")

@@ -78,9 +78,9 @@ def used(cluster: Cluster) -> set[tuple[str, str, str]]:
 
 
 def rules(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return next(
-        doc for doc in docs if doc["kind"] == kind and doc["metadata"]["name"] == "berth-operator"
-    )["rules"]
+    return next(doc for doc in docs if doc["kind"] == kind and doc["metadata"]["name"] == "berth-operator")[
+        "rules"
+    ]
 
 
 def test_both_modes_grant_the_same_rules_and_the_namespaced_one_nothing_cluster_wide() -> None:

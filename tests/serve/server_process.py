@@ -185,3 +185,15 @@ class ServerProcess:
         if engine_pid and engine_pid != self.pid and not wait_until(lambda: not pid_alive(engine_pid), 10):
             os.kill(engine_pid, signal.SIGKILL)
         return self.process.returncode
+
+
+def keyed_server(model: Path, *args: str) -> ServerProcess:
+    """`berth serve MODEL ARGS` with an API key and an admin token from the environment, as a
+    deployment passes them."""
+    return ServerProcess(
+        model,
+        *args,
+        env={"BERTH_API_KEY": API_KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN},
+        api_key=API_KEY,
+        admin_token=ADMIN_TOKEN,
+    )

@@ -14,21 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve.server_process import ADMIN_TOKEN, API_KEY, ENGINE_ARGS, ServerProcess
+from tests.serve.server_process import ADMIN_TOKEN, API_KEY, ENGINE_ARGS, ServerProcess, keyed_server
 from tests.serve.test_serve_cli import assert_refused, berth
 from tests.support.engine_endpoint import free_port
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path):
-    process = ServerProcess(
-        tiny_model,
-        *ENGINE_ARGS,
-        "--admin-port", "0",
-        env={"BERTH_API_KEY": API_KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN},
-        api_key=API_KEY,
-        admin_token=ADMIN_TOKEN,
-    )  # fmt: skip
+    process = keyed_server(tiny_model, *ENGINE_ARGS, "--admin-port", "0")
     yield process
     assert process.stop() == 0, process.output
 

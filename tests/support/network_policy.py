@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import subprocess
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, sampling
 from tests.support.kubelet import Kubelet
 
 POLICIES = "networking.k8s.io/v1/networkpolicies"
@@ -134,17 +134,6 @@ class Enforcer:
                 self._applied[netns] = rules
             # A namespace already gone (its pod deleted meanwhile) is no error.
 
-    @contextlib.asynccontextmanager
-    async def running(self, interval: float = 0.2) -> AsyncIterator[Enforcer]:
-        async def loop() -> None:
-            while True:
-                await asyncio.to_thread(self.sync)
-                await asyncio.sleep(interval)
-
-        task = asyncio.create_task(loop())
-        try:
-            yield self
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def running(self, interval: float = 0.2) -> contextlib.AbstractAsyncContextManager[None]:
+        """Keeps the pods' rules current for as long as the block runs."""
+        return sampling(lambda: asyncio.to_thread(self.sync), interval)
