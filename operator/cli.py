@@ -36,6 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kopf liveness endpoint URL for the Deployment's livenessProbe ('' to disable)",
     )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
+    election = parser.add_argument_group(
+        "leader election (one replica acts; the others stand by: operator/leadership.py)"
+    )
+    election.add_argument(
+        "--lease-namespace", help="namespace of the replicas' Lease (default: $POD_NAMESPACE, else default)"
+    )
+    # Defaults: operator/leadership.py (not imported here: `berth --help` stays light).
+    election.add_argument("--lease-duration", type=float, help="seconds a Lease lasts unrenewed (default 15)")
+    election.add_argument("--lease-renew-interval", type=float, help="seconds between renewals (default 2)")
+    election.add_argument(
+        "--lease-renew-deadline",
+        type=float,
+        help="a leader that has not renewed for this many seconds stops acting (default 10)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,10 +58,17 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(render_yaml())
         return 0
+    return run_operator(args)
+
+
+def run_operator(args: argparse.Namespace, memo: dict | None = None) -> int:
+    """The operator's process (operator/process.py); `memo`: more for the handlers' memo."""
     # Heavy imports here: `berth --help` must not pay for kopf and the Kubernetes client.
+    import asyncio
+
     import kopf
 
-    from berth.operator import handlers  # noqa: F401  (registers the handlers)
+    from berth.operator import handlers, process  # noqa: F401  (handlers: registers them)
     from berth.operator.metrics import serve
 
     if args.kubeconfig:
@@ -55,11 +76,4 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         serve(args.metrics_port)
     kopf.configure(verbose=args.verbose)
-    kopf.run(
-        standalone=True,  # one replica (strategy: Recreate); no peering objects needed
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(kubeconfig=args.kubeconfig),
-    )
-    return 0
+    return asyncio.run(process.run(args, memo))

@@ -14,7 +14,16 @@ from typing import Any
 from berth.operator.restarts import format_time
 from berth.operator.schedule import SleepIntent
 
-CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "Sleeping", "Reconciling", "Stalled")
+CONDITION_TYPES = (
+    "Ready",
+    "Available",
+    "Progressing",
+    "Degraded",
+    "Sleeping",
+    "Unreachable",
+    "Reconciling",
+    "Stalled",
+)
 PARKED_STATES = ("parking", "parked")
 
 
@@ -34,6 +43,15 @@ def _degraded(failed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if failed:
         return _condition("Degraded", True, "RestartBudgetExhausted", _describe(failed, ["Failed"]))
     return _condition("Degraded", False, "RestartBudgetAvailable", "no world has used up its restarts")
+
+
+def _unreachable(worlds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """True while the operator cannot reach a world's launcher (worlds.step: one the kubelet
+    reports Ready is left running; one it does not is restarted)."""
+    cut_off = [world for world in worlds if world.get("phase") == "Unreachable"]
+    if cut_off:
+        return _condition("Unreachable", True, "LauncherUnreachable", _describe(cut_off, ["Unreachable"]))
+    return _condition("Unreachable", False, "LaunchersAnswer", "the operator reaches every launcher")
 
 
 def summarise(
@@ -58,6 +76,7 @@ def summarise(
     `kubectl wait` read: Reconciling while the operator works toward this spec, Stalled while it
     cannot get there without someone's help, and Ready only once every world serves this spec."""
     conds, phase = _summarise(worlds, desired, invalid_spec, sleep, retiring)
+    conds.append(_unreachable(worlds))
     if conflicts and invalid_spec is None:
         # Not ready, whatever the worlds say, until someone removes what is in the way: the
         # operator never takes it over.

@@ -41,6 +41,7 @@ MANAGED_FLAGS = (
     "gpus-per-node",
     "host",
     "port",
+    "admin-port",
     "served-model-name",
     "attach",
 )
@@ -491,6 +492,15 @@ class AutoscalingSpec(_Model):
         return self
 
 
+class NetworkPolicySpec(_Model):
+    """The NetworkPolicies rendered with the deployment (operator/README.md, "Network")."""
+
+    enabled: bool = True
+    """Render them: clients reach only the OpenAI port, frontends the attach port, the operator
+    the admin port, and the pods of one world each other; everything else to the pods is denied.
+    False: none (a cluster whose own policies say it)."""
+
+
 ENGINE_ARGS_RULE = {
     "rule": "self.all(a, !a.matches('^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$'))",
     "message": "engineArgs must not set "
@@ -572,6 +582,8 @@ class LLMDeploymentSpec(_Model):
     autoscaling: AutoscalingSpec | None = None
     """Scale the worlds on the engines' load, and to zero when idle (asleep, then released).
     Unset: `replicas` worlds, changed only through the spec or the scale subresource."""
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    """Ingress rules for the deployment's pods (on by default)."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> LLMDeploymentSpec:

@@ -64,7 +64,7 @@ async def _post(
     started = time.perf_counter()
     try:
         response = await client.post(
-            f"{base_url(address)}{path}", json=dict(body), headers=admin_headers(token), timeout=timeout
+            f"{base_url(address.admin)}{path}", json=dict(body), headers=admin_headers(token), timeout=timeout
         )
     except httpx.HTTPError as exc:
         return TransitionOutcome(

@@ -38,11 +38,16 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: ko
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
         field="status.kopf.lastHandledConfiguration"
     )
+    # No watch of CustomResourceDefinitions or Namespaces (cluster-scoped: they would need a
+    # ClusterRole in the namespaced install): the CRD ships with the operator and is found by
+    # discovery at start; namespaces are given by name (--namespace) or all of them.
+    settings.scanning.disabled = True
     settings.posting.reporting_component = "berth-operator"
     settings.posting.event_name_prefix = "berth-"
     memo.kube = await Kube.connect(memo.get("kubeconfig"))
     memo.drift = reconcile.DriftMemory()
-    # Standalone: the only replica, so the one acting (alerts page when no replica leads).
+    # kopf runs only while this replica holds the Lease (operator/process.py): it acts, and a
+    # standby's /metrics says 0 (alerts page when no replica leads).
     metrics().leader.set(1)
     memo.http = httpx.AsyncClient()
     # The one replaceable function that turns a launcher pod into an address to poll.

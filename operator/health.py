@@ -1,7 +1,8 @@
 """Reading a world's engine: `GET /health`, `GET /ready` and `GET /admin/state` on its launcher.
 
 The launcher's address comes from one replaceable function (`AddressResolver`): in a cluster
-it is the pod IP and the engine port; tests map a launcher pod to a real server on 127.0.0.1.
+it is the pod IP with the engine port and the admin port (the admin routes listen on a port of
+their own that no Service exposes); tests map a launcher pod to a real server on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -10,27 +11,42 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import httpx
 
 from berth.operator import naming
 
-Address = tuple[str, int]
-AddressResolver = Callable[[Mapping[str, Any]], "Awaitable[Address | None] | Address | None"]
+
+class Address(NamedTuple):
+    """Where an engine answers: its public port (OpenAI API and probes) and its admin port."""
+
+    host: str
+    port: int
+    admin_port: int | None = None  # None: the admin routes answer on `port` (no --admin-port)
+
+    @property
+    def admin(self) -> Address:
+        return Address(self.host, self.admin_port or self.port)
+
+
+AddressResolver = Callable[[Mapping[str, Any]], "Awaitable[tuple | None] | tuple | None"]
 
 
 def pod_address(pod: Mapping[str, Any]) -> Address | None:
-    """The default resolver: the pod's IP and the engine port (None until the pod has an IP)."""
+    """The default resolver: the pod's IP, the engine port and the admin port (None until the
+    pod has an IP)."""
     ip = (pod.get("status") or {}).get("podIP")
-    return (ip, naming.ENGINE_PORT) if ip else None
+    return Address(ip, naming.ENGINE_PORT, naming.ADMIN_PORT) if ip else None
 
 
 async def resolve(resolver: AddressResolver, pod: Mapping[str, Any]) -> Address | None:
+    """The resolver's answer as an Address (a resolver may answer a plain (host, port): an
+    engine serving its admin routes on its public port)."""
     address = resolver(pod)
     if inspect.isawaitable(address):
         address = await address
-    return address
+    return Address(*address) if address is not None else None
 
 
 @dataclass(frozen=True)
@@ -84,7 +100,7 @@ def _json(response: httpx.Response) -> dict[str, Any]:
 
 def base_url(address: Address) -> str:
     """http://HOST:PORT, with an IPv6 pod IP in brackets (http://[fd00::5]:8000)."""
-    host, port = address
+    host, port = address[:2]
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"http://{host}:{port}"
@@ -134,7 +150,7 @@ async def probe(
         if admin_token:
             # Details only: readiness stays the engine's own /ready answer (what the kubelet sees).
             state = await client.get(
-                f"{base}/admin/state", headers=admin_headers(admin_token), timeout=timeout
+                f"{base_url(address.admin)}/admin/state", headers=admin_headers(admin_token), timeout=timeout
             )
             if state.status_code == 200:
                 body = _json(state)

@@ -27,6 +27,7 @@ PLURALS = {
     "Event": "events",
     "StatefulSet": "statefulsets",
     "Deployment": "deployments",
+    "NetworkPolicy": "networkpolicies",
     "LLMDeployment": "llmdeployments",
 }
 

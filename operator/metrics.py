@@ -167,6 +167,7 @@ class OperatorMetrics:
                 if (labels["namespace"], labels["deployment"]) == (namespace, deployment):
                     with contextlib.suppress(KeyError):
                         self.rollout_failed.remove(namespace, deployment, labels["world"])
+
     def set_autoscaling(self, namespace: str, deployment: str, status: dict) -> None:
         """One deployment's status.autoscaling as gauges (the metric under its own name)."""
         values = {**status, status.get("metric"): status.get("currentValue")}

@@ -28,6 +28,7 @@ ROLES = ("launcher", "worker", "frontend")
 ENGINE_PORT = 8000  # the OpenAI server in launcher and frontend pods
 ATTACH_PORT = 8001  # the launcher's attach port for frontends
 ACTIVATOR_ADMIN_PORT = 8002  # the activator's port for the operator (no Service exposes it)
+ADMIN_PORT = 8002  # the launcher's /admin routes: for the operator only, no Service exposes it
 SSH_PORT = 22
 
 HOSTFILE_DIR = "/etc/berth/hostfile"

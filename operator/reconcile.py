@@ -46,6 +46,7 @@ PRUNABLE: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("v1", "Service", {}),
     ("apps/v1", "StatefulSet", {}),
     ("apps/v1", "Deployment", {}),
+    ("networking.k8s.io/v1", "NetworkPolicy", {}),
 )
 
 

@@ -9,6 +9,7 @@ Per world `i` of deployment NAME (naming.py has the names):
   NAME-wI            StatefulSet  worker pods, one per node, an SSH server waiting for mpirun
   NAME-wI-launcher   Pod          `berth launch`: mpirun over the hostfile, proxy, OpenAI server
   NAME-wI-frontend   Deployment   `berth serve --attach` (only when spec.frontends > 0)
+  NAME-wI-ROLE       NetworkPolicy  ingress of the world's pods (network_policy.py; opt-out)
 Per deployment: the Service NAME (the OpenAI endpoint) and three Secrets (credentials.py).
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from berth.engine.config import KV_CACHE_MEMORY_FRACTION_ENV
-from berth.operator import naming
+from berth.operator import naming, network_policy
 from berth.operator.crd_model import API_VERSION, GPU_RESOURCE, KIND, LLMDeploymentSpec
 from berth.operator.credentials import SSHKeyPair, b64
 
@@ -359,6 +360,9 @@ def launcher_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
         "0.0.0.0",
         "--port",
         str(naming.ENGINE_PORT),
+        # The operator's own port (sleep, wakeup, state): the Services expose only --port.
+        "--admin-port",
+        str(naming.ADMIN_PORT),
         # Always: the frontend Deployment attaches here (and may be scaled up from 0 later).
         "--attach-port",
         str(naming.ATTACH_PORT),
@@ -398,6 +402,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
                 "ports": [
                     {"name": "http", "containerPort": naming.ENGINE_PORT},
                     {"name": "attach", "containerPort": naming.ATTACH_PORT},
+                    {"name": "admin", "containerPort": naming.ADMIN_PORT},
                 ],
                 "env": _secret_env(owner) + _user_env(spec, world),
                 "resources": spec.launcher_resources.as_dict(),
@@ -509,6 +514,10 @@ def world_children(owner: Owner, spec: LLMDeploymentSpec, world: int) -> list[di
     ]
     if spec.frontends:
         children.append(frontend_deployment(owner, spec, world))
+    if spec.network_policy.enabled:
+        # Before the pods: they start with their ingress closed (network_policy.py).
+        metadata = _metadata(owner, "", naming.world_labels(owner.name, world))
+        children[:0] = network_policy.world_policies(metadata, owner.name, world, bool(spec.frontends))
     return children
 
 

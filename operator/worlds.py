@@ -66,6 +66,9 @@ class PodView:
     failure: Failure | None
     snapshot: dict[str, str]  # pod name -> "uid/restartCount" of the world's current pods
     launcher_node: str | None = None
+    # The kubelet's opinion of the launcher: its readiness probe (/ready) passes. A second
+    # opinion for a launcher the operator cannot reach (see `step`).
+    launcher_ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,13 @@ def view_pods(
         failure=failure,
         snapshot=snapshot,
         launcher_node=_node(launcher),
+        launcher_ready=launcher is not None and _ready(launcher),
     )
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def step(
@@ -236,7 +245,20 @@ def step(
             if previous_phase in UP_PHASES:
                 status["probeFailures"] = int(status["probeFailures"]) + 1
                 threshold = spec.health.failure_threshold
-                if status["probeFailures"] >= threshold:
+                if status["probeFailures"] >= threshold and pods.launcher_ready:
+                    # The kubelet, next to the pod, sees it serve: the fault is between the
+                    # operator and the pod (a NetworkPolicy, the CNI, an operator running outside
+                    # the cluster). Restarting a serving world would not fix that: report it.
+                    status.update(
+                        phase="Unreachable",
+                        message=(
+                            f"the operator cannot reach the launcher ({probe.error}), but the kubelet "
+                            "reports its pod Ready: not restarted; check the network between them"
+                        ),
+                    )
+                    if status["probeFailures"] == threshold:
+                        events.append(("Warning", "WorldUnreachable", f"world {world}: {status['message']}"))
+                elif status["probeFailures"] >= threshold:
                     failure = Failure(
                         "Unreachable",
                         f"launcher did not answer {threshold} polls in a row: {probe.error}",
@@ -254,6 +276,8 @@ def step(
                     phase="Starting", message=f"waiting for the engine to answer /health ({probe.error})"
                 )
         else:
+            if int(status["probeFailures"]) >= spec.health.failure_threshold:
+                events.append(("Normal", "WorldReachable", f"world {world}: the launcher answers again"))
             status["probeFailures"] = 0
             status["admission"] = probe.admission or "running"
             if probe.model_revision is not None:

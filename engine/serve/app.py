@@ -7,6 +7,7 @@ from fastapi.openapi.utils import get_openapi
 
 from berth import __version__
 from berth.engine.serve import admin, chat, completions, health, models
+from berth.engine.serve.admin_listener import AdminListener
 from berth.engine.serve.auth import Authentication
 from berth.engine.serve.body_limit import BodyLimit
 from berth.engine.serve.context import ServingContext
@@ -14,9 +15,10 @@ from berth.engine.serve.errors import install_error_handlers
 from berth.engine.serve.loading import LoadingGate
 
 
-def build_app(ctx: ServingContext) -> FastAPI:
+def build_app(ctx: ServingContext, admin_port: int | None = None) -> FastAPI:
     """An app serving `ctx.llm`. The caller owns the engine: it starts it before and shuts it
-    down after the app (the CLI, or a test that runs several apps in one process)."""
+    down after the app (the CLI, or a test that runs several apps in one process). With
+    `admin_port`, /admin answers only on connections to that port (admin_listener.py)."""
     app = FastAPI(
         title="berth",
         version=__version__,
@@ -26,11 +28,13 @@ def build_app(ctx: ServingContext) -> FastAPI:
     install_error_handlers(app)
     for room in (models, completions, chat, health, admin):
         app.include_router(room.router)
-    # The last added runs first: who is asking, then how much they send, then (while the engine
-    # loads) the loading gate, then the routes.
+    # The last added runs first: which listener, who is asking, then how much they send, then
+    # (while the engine loads) the loading gate, then the routes.
     app.add_middleware(LoadingGate, ctx=ctx)
     app.add_middleware(BodyLimit, max_bytes=ctx.max_request_body_bytes)
     app.add_middleware(Authentication, api_key=ctx.api_key, admin_token=ctx.admin_token)
+    if admin_port is not None:
+        app.add_middleware(AdminListener, admin_port=admin_port)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve /admin on this port of --host instead of --port, which then answers 404 there "
+        "(a Service exposes --port only; the operator reaches this one on the pod's IP)",
+    )
     parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL)")
     parser.add_argument(
         "--model-revision",
@@ -269,4 +275,6 @@ def check_server_options(args: argparse.Namespace) -> str | None:
         return f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}"
     if args.max_request_body_bytes is not None and args.max_request_body_bytes < 1:
         return f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}"
+    if args.admin_port is not None and args.admin_port == args.port != 0:
+        return f"--admin-port must differ from --port ({args.port}): /admin gets a listener of its own"
     return None

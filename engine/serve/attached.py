@@ -4,12 +4,14 @@ for an engine another process owns (it attaches, and attaches again to the next 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 
+from berth.engine.serve.admin_listener import bind_admin
 from berth.engine.serve.arguments import ATTACH_ADDRESS, OWNER_OPTIONS, check_server_options, fail
 from berth.engine.serve.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from berth.engine.serve.server import quiet_metrics, serve_app
@@ -43,12 +45,17 @@ def run_frontend(args: argparse.Namespace) -> int:
         sock = bind(args.host, args.port)
     except OSError as error:
         return fail(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}")
+    try:
+        admin_sock = bind_admin(args)
+    except OSError as error:
+        sock.close()
+        return fail(f"cannot listen on {args.host}:{args.admin_port}: {error.strerror or error}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    with sock:
-        return _serve_frontend(args, key, sock, url_of(sock))
+    with sock, admin_sock or contextlib.nullcontext():
+        return _serve_frontend(args, key, sock, url_of(sock), admin_sock)
 
 
-def _serve_frontend(args: argparse.Namespace, key: bytes, sock, url: str) -> int:
+def _serve_frontend(args: argparse.Namespace, key: bytes, sock, url: str, admin_sock=None) -> int:
     from berth.engine.llm import AttachedLLM
 
     quiet_metrics()
@@ -64,7 +71,7 @@ def _serve_frontend(args: argparse.Namespace, key: bytes, sock, url: str) -> int
             f"{ctx.max_model_len})",
             flush=True,
         )
-        serve_app(args, ctx, sock, url)
+        serve_app(args, ctx, sock, url, admin_sock=admin_sock)
     finally:
         llm.shutdown()  # detaches: the owner aborts what this frontend left running
     print("berth serve: stopped", flush=True)

@@ -9,6 +9,7 @@ here and for every attached frontend at once, requests in flight everywhere fini
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -16,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from berth.engine.serve.admin_listener import bind_admin
 from berth.engine.serve.arguments import ENGINE_OPTIONS, check_server_options, fail
 from berth.engine.serve.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from berth.engine.serve.server import quiet_metrics, serve_app
@@ -67,26 +69,35 @@ def serve_model(
         sock = bind(args.host, args.port)
     except OSError as error:
         return fail(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}", command)
+    try:
+        admin_sock = bind_admin(args)
+    except OSError as error:
+        sock.close()
+        return fail(f"cannot listen on {args.host}:{args.admin_port}: {error.strerror or error}", command)
     endpoint = None
     if args.attach_port is not None:
         try:
             endpoint = open_attach_endpoint(args.host, args.attach_port)
         except ValueError as error:
             sock.close()
+            if admin_sock is not None:
+                admin_sock.close()
             return fail(str(error), command)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    with sock:
+    with sock, admin_sock or contextlib.nullcontext():
         if before_start is not None and (code := before_start()) is not None:
             if endpoint is not None:
                 endpoint.close()
             return code
-        return _serve(args, options, sock, url_of(sock), endpoint, world, command, exit_when_dead_after)
+        return _serve(
+            args, options, (sock, admin_sock), url_of(sock), endpoint, world, command, exit_when_dead_after
+        )
 
 
 def _serve(
     args: argparse.Namespace,
     options: dict,
-    sock,
+    listeners: tuple,  # (the public socket, the admin socket or None)
     url: str,
     endpoint,
     world,
@@ -107,11 +118,12 @@ def _serve(
         serve_app(
             args,
             ctx,
-            sock,
+            listeners[0],
             url,
             command,
             stop_when=lambda: loader.failed or dead.long_enough(),
             on_started=lambda: print(answering, flush=True),
+            admin_sock=listeners[1],
         )
     finally:
         llm = loader.finish()  # waits for a load still under way: it cannot be interrupted

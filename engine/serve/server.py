@@ -113,6 +113,7 @@ def serve(
     app: FastAPI,
     sock: socket.socket,
     *,
+    admin_sock: socket.socket | None = None,
     on_signal: Callable[[], None],
     on_started: Callable[[], None],
     is_idle: Callable[[], bool],
@@ -142,7 +143,8 @@ def serve(
     )
 
     async def main() -> None:
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        sockets = [sock] if admin_sock is None else [sock, admin_sock]
+        serving = asyncio.create_task(server.serve(sockets=sockets))
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)
         if server.started:
@@ -168,14 +170,20 @@ def serve_app(
     command: str = "berth serve",
     stop_when=None,
     on_started=None,
+    admin_sock: socket.socket | None = None,
 ) -> None:
-    """Serves `ctx` on `sock` until SIGTERM (a drain, see `ServingContext.start_draining`) or
-    `stop_when()`; the options come from `berth serve`'s arguments."""
+    """Serves `ctx` on `sock` (and its admin routes on `admin_sock` when given) until SIGTERM
+    (a drain, see `ServingContext.start_draining`) or `stop_when()`; the options come from
+    `berth serve`'s arguments."""
     from berth.engine.serve import build_app  # the routes import this module's neighbours
 
+    admin_port = admin_sock.getsockname()[1] if admin_sock is not None else None
+    if admin_sock is not None:
+        print(f"{command}: admin routes on {url_of(admin_sock)}/admin", flush=True)
     serve(
-        build_app(ctx),
+        build_app(ctx, admin_port),
         sock,
+        admin_sock=admin_sock,
         on_signal=ctx.start_draining,
         on_started=on_started or (lambda: print(f"{command}: listening on {url}", flush=True)),
         is_idle=lambda: ctx.idle,

@@ -26,6 +26,9 @@ EXPECTED = {
     "apps/v1/statefulsets": ["llama-w0", "llama-w1"],
     "apps/v1/deployments": ["llama-w0-frontend", "llama-w1-frontend"],
     "v1/secrets": ["llama-admin-token", "llama-engine-key", "llama-ssh"],
+    "networking.k8s.io/v1/networkpolicies": [
+        f"llama-w{world}-{role}" for world in (0, 1) for role in ("frontend", "launcher", "worker")
+    ],
 }
 LAUNCHERS = ["llama-w0-launcher", "llama-w1-launcher"]
 WORKERS = ["llama-w0-0", "llama-w0-1", "llama-w1-0", "llama-w1-1"]
@@ -137,7 +140,7 @@ async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
         "berth", "launch", "/models/llama-3.1-8b-instruct",
         "--hostfile", "/etc/berth/hostfile/hostfile",
         "--tensor-parallel-size", "2", "--gpus-per-node", "1",
-        "--host", "0.0.0.0", "--port", "8000", "--attach-port", "8001",
+        "--host", "0.0.0.0", "--port", "8000", "--admin-port", "8002", "--attach-port", "8001",
         "--served-model-name", "llama-3.1-8b-instruct",
         "--max-num-seqs=64",
     ]  # fmt: skip

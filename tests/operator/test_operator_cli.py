@@ -1,5 +1,6 @@
-"""`berth operator` as a process, the way the Deployment runs it: it serves kopf's liveness
-endpoint and Prometheus metrics, reconciles, and stops cleanly on SIGTERM."""
+"""`berth operator` as a process, the way the Deployment runs it: it takes the Lease, serves
+kopf's liveness endpoint and Prometheus metrics, reconciles, and stops cleanly on SIGTERM,
+giving the Lease up."""
 
 from __future__ import annotations
 
@@ -60,5 +61,10 @@ async def test_berth_operator_process_serves_liveness_metrics_and_reconciles(clu
             await process.wait()
         stderr = (await process.stderr.read()).decode()
     assert process.returncode == 0, stderr[-3000:]
+    # It led through the Lease (outside a pod, without $POD_NAMESPACE: in namespace default)
+    # and, stopping cleanly, gave it up: a standby would take over at once, not after it expires.
+    lease = cluster.get("coordination.k8s.io/v1/leases", "berth-operator", "default")
+    assert lease is not None and lease["spec"].get("leaseTransitions") == 0
+    assert not lease["spec"].get("holderIdentity"), lease
     worker = cluster.get("apps/v1/statefulsets", "tiny-w0")["spec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in str(worker["resources"])  # gpusPerNode 0: a CPU world

@@ -186,9 +186,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "engineArgs sets a managed flag",
-        with_spec(engineArgs=["--max-num-seqs=8", "--port=9000"]),
+        with_spec(engineArgs=["--max-num-seqs=8", "--admin-port=9000"]),
         "engineArgs must not set --hostfile, --tensor-parallel-size, --gpus-per-node, --host, --port, "
-        "--served-model-name or --attach: the operator sets them from the spec",
+        "--admin-port, --served-model-name or --attach: the operator sets them from the spec",
     ),
     ("bad env name", with_spec(env=[{"name": "1BAD", "value": "x"}]), "'1BAD' does not match"),
     ("sleep level 3", with_spec(sleep={"sleeping": True, "level": 3}), "3 is not one of [1, 2]"),

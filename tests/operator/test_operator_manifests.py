@@ -38,7 +38,10 @@ def test_the_install_has_every_piece(built: dict) -> None:
         ("ServiceAccount", "berth-operator"),
         ("ClusterRole", "berth-operator"),
         ("ClusterRoleBinding", "berth-operator"),
+        ("Role", "berth-operator-leader-election"),
+        ("RoleBinding", "berth-operator-leader-election"),
         ("Deployment", "berth-operator"),
+        ("PodDisruptionBudget", "berth-operator"),
         ("Service", "berth-operator-metrics"),
     }
     crd = yaml.safe_load((ROOT / "crds" / "llmdeployment.yaml").read_text())
@@ -54,8 +57,16 @@ def test_operator_deployment(built: dict) -> None:
     deployment = built["Deployment", "berth-operator"]
     assert deployment["metadata"]["namespace"] == "berth-system"
     spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    # Two replicas, one leading (a Lease), spread over nodes, never both drained at once.
+    assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
     pod = spec["template"]["spec"]
+    (spread,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    budget = built["PodDisruptionBudget", "berth-operator"]["spec"]
+    assert budget == {"minAvailable": 1, "selector": {"matchLabels": spec["selector"]["matchLabels"]}}
+    env = {var["name"]: var for var in pod["containers"][0]["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert pod["serviceAccountName"] == "berth-operator"
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
     (container,) = pod["containers"]

@@ -1,22 +1,34 @@
-"""The ClusterRole in manifests/ is least privilege: it allows every request the operator makes
-in a full life cycle (create, scale down, a world restart, a spec change, deletion), and it
-allows nothing the operator never asks for, except the few permissions listed below with why."""
+"""The shipped RBAC is least privilege, in both install modes: the operator runs under exactly
+the rules that `kubectl apply -k` would install (an RBAC authorizer in front of the emulator
+answers 403 to any request they do not allow), through a full life cycle (create, scale down, a
+world restart, a spec change, deletion); every request it makes is allowed, and the rules allow
+nothing it never asks for, except the few permissions listed below with why.
+
+- cluster-wide (`manifests/`): a ClusterRole, `berth operator --all-namespaces`;
+- namespaced (`manifests/namespaced/`): a Role and RoleBinding in the watched namespace only,
+  `berth operator --namespace NS`, no cluster-scoped right at all.
+"""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from berth.operator.kube import Kube
 from tests.support.cluster import Cluster, ClusterSim, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
 from tests.support.operator_runner import running_operator
+from tests.support.rbac import Authorizer, attributes
 
 ROOT = Path(__file__).resolve().parents[2]
 LLMD = "berth.dev/v1alpha1/llmdeployments"
-VERBS = {"list": "list", "watch": "watch", "fetch": "get", "create": "create", "delete": "delete"}
+OPERATOR_AGENTS = ("kopf/", Kube.USER_AGENT)
+# The namespace manifests/namespaced/ watches; a user replaces it with theirs (as the test does).
+SHIPPED_NAMESPACE = "llm-serving"
 # Granted but not exercised in this run, on purpose:
 NOT_EXERCISED = {
     # A Secret's metadata is applied only when someone changed it behind the operator's back.
@@ -28,48 +40,75 @@ NOT_EXERCISED = {
     ("", "services", "create"),
     ("apps", "statefulsets", "create"),
     ("apps", "deployments", "create"),
+    ("networking.k8s.io", "networkpolicies", "create"),
     # No request of its own: the OwnerReferencesPermissionEnforcement admission plugin checks it
     # whenever the operator creates a child with blockOwnerDeletion: true (every child).
     ("berth.dev", "llmdeployments/finalizers", "update"),
 }
 
 
-def granted() -> set[tuple[str, str, str]]:
-    docs = list(yaml.safe_load_all((ROOT / "manifests" / "rbac.yaml").read_text()))
-    role = next(doc for doc in docs if doc["kind"] == "ClusterRole")
-    return {
-        (group, resource, verb)
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
+def built(folder: Path) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(folder)], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def install(mode: str, namespace: str) -> tuple[list[dict[str, Any]], bool]:
+    """The RBAC documents of an install mode (the namespaced one moved to `namespace`, as its
+    user would) and whether the operator runs cluster-wide."""
+    if mode == "cluster":
+        return built(ROOT / "manifests"), True
+    docs = built(ROOT / "manifests" / "namespaced")
+    for doc in docs:
+        if doc["metadata"].get("namespace") == SHIPPED_NAMESPACE:
+            doc["metadata"]["namespace"] = namespace
+    return docs, False
 
 
 def used(cluster: Cluster) -> set[tuple[str, str, str]]:
     found = set()
     for request in list(cluster.emulator):
-        agent = request.headers.get("User-Agent", "")
-        if (
-            request.resource is None
-            or not request.resource.plural
-            or not (agent.startswith("kopf/") or agent == Kube.USER_AGENT)
-        ):
+        if not request.headers.get("User-Agent", "").startswith(OPERATOR_AGENTS):
             continue
-        action = str(request.action.value if hasattr(request.action, "value") else request.action)
-        verb = "patch" if request.method.value == "PATCH" else VERBS.get(action.lower(), action)
-        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
-        found.add((request.resource.group, resource, verb))
+        wanted = attributes(request)
+        if wanted is not None:
+            found.add((wanted.group, wanted.resource, wanted.verb))
     return found
 
 
-async def patch_spec(cluster: Cluster, spec: dict[str, Any]) -> None:
-    await cluster.kubectl("patch", "llmd", "llama", "--type=merge", "-p", yaml.safe_dump({"spec": spec}))
+def rules(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return next(doc for doc in docs if doc["kind"] == kind and doc["metadata"]["name"] == "berth-operator")[
+        "rules"
+    ]
 
 
-async def test_cluster_role_allows_exactly_what_the_operator_uses(
-    cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
+def test_both_modes_grant_the_same_rules_and_the_namespaced_one_nothing_cluster_wide() -> None:
+    cluster_docs, _ = install("cluster", "default")
+    namespaced_docs, _ = install("namespaced", "default")
+    assert rules(cluster_docs, "ClusterRole") == rules(namespaced_docs, "Role")
+    assert not {doc["kind"] for doc in namespaced_docs} & {"ClusterRole", "ClusterRoleBinding"}
+    deployment = next(doc for doc in namespaced_docs if doc["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"--namespace={SHIPPED_NAMESPACE}" in command and "--all-namespaces" not in command
+    # Nothing cluster-scoped is read in either mode: no Namespace or CRD watch (kopf's scanning
+    # is off), and Secrets are read by name only, never listed or watched.
+    for granted in (Authorizer(cluster_docs).granted(None), Authorizer(namespaced_docs).granted("default")):
+        resources = {resource for _, resource, _ in granted}
+        assert not resources & {"namespaces", "customresourcedefinitions"}
+        assert {verb for _, resource, verb in granted if resource == "secrets"} == {"get", "create", "patch"}
+    assert Authorizer(namespaced_docs).granted(None) == set()
+    assert Authorizer(namespaced_docs).granted("elsewhere") == set()
+
+
+@pytest.mark.parametrize("mode", ["cluster", "namespaced"])
+async def test_the_operator_runs_under_exactly_the_shipped_rules(
+    mode: str, cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
+    docs, clusterwide = install(mode, cluster.namespace)
+    authorizer = Authorizer(docs)
+    cluster.emulator.authorizer = authorizer.refusal
+    cluster.emulator.operator_agents = OPERATOR_AGENTS
     doc = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     doc["spec"]["health"] = {"intervalSeconds": 1, "timeoutSeconds": 1}
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(doc))
@@ -77,12 +116,15 @@ async def test_cluster_role_allows_exactly_what_the_operator_uses(
     def phase() -> str:
         return ((cluster.get(LLMD, "llama") or {}).get("status") or {}).get("phase", "")
 
-    async with running_operator(cluster, fleet.resolve):
+    async def patch_spec(spec: dict[str, Any]) -> None:
+        await cluster.kubectl("patch", "llmd", "llama", "--type=merge", "-p", yaml.safe_dump({"spec": spec}))
+
+    async with running_operator(cluster, fleet.resolve, clusterwide=clusterwide):
         await cluster.kubectl("apply", "--validate=false", "-f", str(tmp_path / "llama.yaml"))
         await wait_for(lambda: phase() == "Ready", START_TIMEOUT, "Ready")
-        await patch_spec(cluster, {"replicas": 1, "frontends": 0})
+        await patch_spec({"replicas": 1, "frontends": 0})
         await wait_for(lambda: cluster.names("apps/v1/deployments") == [], 10, "frontends pruned")
-        await patch_spec(cluster, {"image": "registry.example.com/berth:0.2.0"})  # replaces the world
+        await patch_spec({"image": "registry.example.com/berth:0.2.0"})  # replaces the world
         await wait_for(
             lambda: "0.2.0" in str(cluster.get("v1/pods", "llama-w0-launcher") or {}), 10, "launcher replaced"
         )
@@ -90,7 +132,8 @@ async def test_cluster_role_allows_exactly_what_the_operator_uses(
         await cluster.kubectl("delete", "llmd", "llama", "--timeout=20s", timeout=30)
         await wait_for(lambda: cluster.get(LLMD, "llama") is None, 10, "llama gone")
 
-    allowed, requested = granted(), used(cluster)
-
-    assert requested - allowed == set(), "the operator made requests its ClusterRole does not allow"
-    assert allowed - requested - NOT_EXERCISED == set(), "the ClusterRole grants more than the operator uses"
+    allowed = authorizer.granted(None if clusterwide else cluster.namespace)
+    requested = used(cluster)
+    assert cluster.emulator.forbidden == [], "the operator made requests its rules do not allow"
+    assert requested - allowed == set(), "the operator made requests its rules do not allow"
+    assert allowed - requested - NOT_EXERCISED == set(), "the rules grant more than the operator uses"

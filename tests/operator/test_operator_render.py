@@ -56,8 +56,10 @@ def test_owner_reference_is_explicit_controller() -> None:
 def test_children_names_and_order() -> None:
     refs = [f"{child['kind']}/{child['metadata']['name']}" for child in render.children(OWNER, spec())]
     assert refs == [
+        "NetworkPolicy/llama-w0-launcher", "NetworkPolicy/llama-w0-worker", "NetworkPolicy/llama-w0-frontend",
         "ConfigMap/llama-w0-hostfile", "Service/llama-w0", "StatefulSet/llama-w0", "Pod/llama-w0-launcher",
         "Deployment/llama-w0-frontend",
+        "NetworkPolicy/llama-w1-launcher", "NetworkPolicy/llama-w1-worker", "NetworkPolicy/llama-w1-frontend",
         "ConfigMap/llama-w1-hostfile", "Service/llama-w1", "StatefulSet/llama-w1", "Pod/llama-w1-launcher",
         "Deployment/llama-w1-frontend",
         "Service/llama",
@@ -67,6 +69,49 @@ def test_children_names_and_order() -> None:
         assert child["metadata"]["namespace"] == "ml"
         labels = child["metadata"]["labels"]
         assert labels[naming.MANAGED_BY] == "berth" and labels[naming.DEPLOYMENT] == "llama"
+
+
+def test_network_policies_open_only_what_berth_uses_and_can_be_turned_off() -> None:
+    policies = {
+        child["metadata"]["name"]: child["spec"]
+        for child in render.world_children(OWNER, spec(), 1)
+        if child["kind"] == "NetworkPolicy"
+    }
+    world = {naming.DEPLOYMENT: "llama", naming.WORLD: "1"}
+
+    def peers(*roles: str) -> list[dict]:
+        return [{"podSelector": {"matchLabels": {**world, naming.ROLE: role}}} for role in roles]
+
+    tcp = [{"protocol": "TCP", "port": 1024, "endPort": 65535}]
+    launcher = policies["llama-w1-launcher"]
+    assert launcher["podSelector"] == {"matchLabels": {**world, naming.ROLE: "launcher"}}
+    assert launcher["policyTypes"] == ["Ingress"]
+    assert launcher["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 8000}]},  # clients, the Service, the probes
+        {"ports": [{"protocol": "TCP", "port": 8001}], "from": peers("frontend")},
+        {
+            "ports": [{"protocol": "TCP", "port": 8002}],
+            "from": [
+                {
+                    "namespaceSelector": {},
+                    "podSelector": {"matchLabels": {naming.NAME_LABEL: "berth-operator"}},
+                }
+            ],
+        },
+        {"ports": tcp, "from": peers("worker")},
+    ]
+    assert policies["llama-w1-worker"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 22}], "from": peers("launcher")},
+        {"ports": tcp, "from": peers("launcher", "worker")},
+    ]
+    assert policies["llama-w1-frontend"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 8000}]},
+        {"ports": tcp, "from": peers("launcher")},
+    ]
+    without_frontends = render.world_children(OWNER, spec(frontends=0), 1)
+    assert "llama-w1-frontend" not in {child["metadata"]["name"] for child in without_frontends}
+    opted_out = render.children(OWNER, spec(networkPolicy={"enabled": False}))
+    assert not [child for child in opted_out if child["kind"] == "NetworkPolicy"]
 
 
 def test_no_frontend_deployment_without_frontends() -> None:
@@ -159,12 +204,13 @@ def test_launcher_pod() -> None:
     assert container["command"] == [
         "berth", "launch", "/models/llama", "--hostfile", "/etc/berth/hostfile/hostfile",
         "--tensor-parallel-size", "4", "--gpus-per-node", "2", "--host", "0.0.0.0", "--port", "8000",
-        "--attach-port", "8001", "--served-model-name", "llama-8b", "--max-num-seqs=8",
-        "--enable-prefix-caching",
+        "--admin-port", "8002", "--attach-port", "8001", "--served-model-name", "llama-8b",
+        "--max-num-seqs=8", "--enable-prefix-caching",
     ]  # fmt: skip
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000},
         {"name": "attach", "containerPort": 8001},
+        {"name": "admin", "containerPort": 8002},
     ]
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
@@ -295,6 +341,16 @@ def test_endpoint_service() -> None:
         "selector": {naming.DEPLOYMENT: "llama", naming.ENDPOINT: "true"},
         "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
     }
+
+
+def test_no_service_exposes_the_admin_port() -> None:
+    """The operator reaches /admin on the launcher pod's IP; no Service routes there."""
+    services = [child for child in render.children(OWNER, spec()) if child["kind"] == "Service"]
+    assert services
+    for service in services:
+        for port in service["spec"]["ports"]:
+            assert naming.ADMIN_PORT not in (port["port"], port["targetPort"]), service["metadata"]["name"]
+            assert port["targetPort"] != "admin"
 
 
 def test_secrets_carry_generated_material() -> None:

@@ -179,6 +179,29 @@ def test_unanswered_polls_count_only_after_the_world_was_up() -> None:
     assert second.restart is not None and second.restart.reason == "Unreachable"
 
 
+def test_an_unreachable_launcher_the_kubelet_reports_ready_is_reported_not_restarted() -> None:
+    ready_launcher = pod("d-w0-launcher", "L1", role="launcher")
+    ready_launcher["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    pods = view(ready_launcher)
+    assert pods.launcher_ready and not view().launcher_ready
+    first = step({"phase": "Ready"}, SILENT, pods)
+    second = step(first.status, SILENT, pods)
+    third = step(second.status, SILENT, pods)
+    assert second.restart is None and third.restart is None  # the threshold (2) passed: no restart
+    assert third.status["phase"] == "Unreachable" and third.status["probeFailures"] == 3
+    assert "reports its pod Ready: not restarted" in third.status["message"]
+    # One Event when the second opinion first holds, not one per poll; one when it answers again.
+    assert [event[1] for event in (*first.events, *second.events, *third.events)] == ["WorldUnreachable"]
+    back = step(third.status, ALIVE, pods)
+    assert back.status["phase"] == "Ready" and back.status["probeFailures"] == 0
+    assert [event[1] for event in back.events] == ["WorldReachable", "WorldReady"]
+    # The deployment's Unreachable condition follows the world.
+    conds, _ = conditions.summarise([third.status], 1)
+    assert conditions.find(conds, "Unreachable")["status"] == "True"
+    conds, _ = conditions.summarise([back.status], 1)
+    assert conditions.find(conds, "Unreachable")["status"] == "False"
+
+
 def test_engine_death_restarts_then_backs_off_then_gives_up() -> None:
     first = step({"phase": "Ready", "members": view().snapshot}, DEAD)
     assert first.restart == worlds.Failure("EngineDead", DEAD.error)

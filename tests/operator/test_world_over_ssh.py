@@ -11,18 +11,16 @@ from typing import Any
 
 from berth.operator import credentials, naming, render
 from berth.operator.crd_model import parse_spec
+from berth.operator.kube import resource_path
 from tests.support.cluster import Cluster, ClusterSim, wait_for
 from tests.support.kubelet import Kubelet
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 LLMDS = "/apis/berth.dev/v1alpha1/namespaces/default/llmdeployments"
-PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Pod": "pods"}
 
 
 def path_of(obj: dict[str, Any]) -> str:
-    if obj["apiVersion"] == "apps/v1":
-        return f"/apis/apps/v1/namespaces/default/{obj['kind'].lower()}s"
-    return f"/api/v1/namespaces/default/{PLURALS[obj['kind']]}"
+    return resource_path(obj["apiVersion"], obj["kind"], "default")
 
 
 def phase(cluster: Cluster, name: str) -> str | None:

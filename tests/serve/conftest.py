@@ -15,7 +15,6 @@ import pytest
 
 from berth.engine import LLM
 from tests.serve.server_process import (
-    ADMIN_TOKEN,
     API_KEY,
     CLIENT_TIMEOUT,
     ENGINE_ARGS,
@@ -24,20 +23,18 @@ from tests.serve.server_process import (
     MAX_REQUEST_BODY_BYTES,
     MODEL_NAME,
     ServerProcess,
+    keyed_server,
 )
 
 
 @pytest.fixture(scope="session")
 def server(tiny_model: Path):
-    process = ServerProcess(
+    process = keyed_server(
         tiny_model,
         *ENGINE_ARGS,
         "--max-model-len", str(MAX_MODEL_LEN),
         "--served-model-name", MODEL_NAME,
         "--max-request-body-bytes", str(MAX_REQUEST_BODY_BYTES),
-        env={"BERTH_API_KEY": API_KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN},
-        api_key=API_KEY,
-        admin_token=ADMIN_TOKEN,
     )  # fmt: skip
     yield process
     assert process.stop() == 0, process.output

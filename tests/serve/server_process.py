@@ -19,6 +19,7 @@ from tests.support.engine_processes import pid_alive, wait_until
 
 LISTENING = "berth {command}: listening on "
 ATTACH_AT = "berth {command}: frontends attach at "
+ADMIN_AT = "berth {command}: admin routes on "
 # The engine options every server in these tests runs with, and the reference engines too.
 ENGINE_ARGS = ("--max-batch-size", "16", "--kv-blocks", "512", "--kv-block-size", "16")
 ENGINE_OPTIONS = {"max_batch_size": 16, "kv_cache_blocks": 512, "kv_block_size": 16}
@@ -53,6 +54,7 @@ class ServerProcess:
         self.owns_engine = model is not None
         self._listening = LISTENING.format(command=command)
         self._attach_at = ATTACH_AT.format(command=command)
+        self._command = command
         command_line = [
             sys.executable, "-m", "berth", command, *([str(model)] if model else []),
             "--host", "127.0.0.1", "--port", "0", *args,
@@ -135,8 +137,17 @@ class ServerProcess:
         kwargs.setdefault("headers", self.headers())
         return httpx.post(self.url + path, json=json, **kwargs)
 
+    @property
+    def admin_url(self) -> str:
+        """Where /admin answers: the --admin-port's listener when the server has one."""
+        said = ADMIN_AT.format(command=self._command)
+        line = next((line for line in self._lines if line.startswith(said)), None)
+        return line[len(said) :].strip().removesuffix("/admin") if line else self.url
+
     def admin_state(self) -> dict:
-        response = self.get("/admin/state", headers=self.headers(self.admin_token))
+        response = httpx.get(
+            self.admin_url + "/admin/state", headers=self.headers(self.admin_token), timeout=10
+        )
         response.raise_for_status()
         return response.json()
 
@@ -176,3 +187,15 @@ class ServerProcess:
         if engine_pid and engine_pid != self.pid and not wait_until(lambda: not pid_alive(engine_pid), 10):
             os.kill(engine_pid, signal.SIGKILL)
         return self.process.returncode
+
+
+def keyed_server(model: Path, *args: str) -> ServerProcess:
+    """`berth serve MODEL ARGS` with an API key and an admin token from the environment, as a
+    deployment passes them."""
+    return ServerProcess(
+        model,
+        *args,
+        env={"BERTH_API_KEY": API_KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN},
+        api_key=API_KEY,
+        admin_token=ADMIN_TOKEN,
+    )

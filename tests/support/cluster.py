@@ -80,12 +80,15 @@ async def wait_for(predicate: Callable[[], Any], timeout: float, what: str, inte
 
 
 @contextlib.asynccontextmanager
-async def sampling(sample: Callable[[], None], interval: float) -> AsyncIterator[None]:
-    """Calls `sample()` every `interval` seconds for as long as the block runs."""
+async def sampling(sample: Callable[[], Any], interval: float) -> AsyncIterator[None]:
+    """Calls `sample()` (awaited when it returns an awaitable) every `interval` seconds for as
+    long as the block runs."""
 
     async def loop() -> None:
         while True:
-            sample()
+            result = sample()
+            if asyncio.iscoroutine(result):
+                await result
             await asyncio.sleep(interval)
 
     task = asyncio.create_task(loop())

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from berth.operator import render
+from berth.operator.health import Address
 from tests.support.engine_processes import pid_alive
 
 ADMIN_TOKEN = "test-admin-token"
@@ -40,10 +41,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(model: Path, host: str, port: int, extra_args: Sequence[str] = ()) -> list[str]:
+def server_command(
+    model: Path, host: str, port: int, extra_args: Sequence[str] = (), admin_port: int | None = None
+) -> list[str]:
+    admin = ["--admin-port", str(admin_port)] if admin_port is not None else []
     return [
-        sys.executable, "-m", "berth", "serve", str(model),
-        "--host", host, "--port", str(port), "--log-level", "warning", *ENGINE_OPTIONS, *extra_args,
+        sys.executable, "-m", "berth", "serve", str(model), "--host", host, "--port", str(port),
+        *admin, "--log-level", "warning", *ENGINE_OPTIONS, *extra_args,
     ]  # fmt: skip
 
 
@@ -53,19 +57,24 @@ class EngineEndpoint:
     host: str
     port: int
     admin_token: str = ADMIN_TOKEN
+    admin_port: int | None = None  # the server's --admin-port (None: /admin on `port`)
 
     @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
+    def address(self) -> Address:
+        return Address(self.host, self.port, self.admin_port)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     async def get(self, path: str) -> httpx.Response:
+        """GET `path` with the admin token, on the admin port for /admin paths."""
+        port = self.admin_port if path.startswith("/admin") and self.admin_port else self.port
         async with httpx.AsyncClient() as client:
             return await client.get(
-                self.url + path, headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5.0
+                f"http://{self.host}:{port}{path}",
+                headers={"Authorization": f"Bearer {self.admin_token}"},
+                timeout=5.0,
             )
 
     async def wait_up(self, timeout: float = START_TIMEOUT) -> None:
@@ -126,14 +135,15 @@ async def start_engine_endpoint(
     admin_token: str = ADMIN_TOKEN,
     extra_args: Sequence[str] = (),
 ) -> EngineEndpoint:
-    """Start `berth serve` on a free 127.0.0.1 port; returns at once (see `wait_up`)."""
-    host, port = "127.0.0.1", free_port()
+    """Start `berth serve` on a free 127.0.0.1 port, its admin routes on another (as a launcher
+    pod's are); returns at once (see `wait_up`)."""
+    host, port, admin_port = "127.0.0.1", free_port(), free_port()
     process = await asyncio.create_subprocess_exec(
-        *server_command(model, host, port, extra_args),
+        *server_command(model, host, port, extra_args, admin_port),
         env={**os.environ, "BERTH_ADMIN_TOKEN": admin_token, **(env or {})},
         stdout=asyncio.subprocess.DEVNULL,
     )
-    return EngineEndpoint(process, host, port, admin_token)
+    return EngineEndpoint(process, host, port, admin_token, admin_port)
 
 
 SecretReader = Callable[[str, str], "Mapping[str, Any] | None"]  # (namespace, name) -> Secret
@@ -202,7 +212,7 @@ class EngineFleet:
         """No launcher pod's server runs any more (every stopped one has exited)."""
         return not self.endpoints and all(endpoint.exited for endpoint in self.stopping)
 
-    def resolve(self, pod: Mapping[str, Any]) -> tuple[str, int] | None:
+    def resolve(self, pod: Mapping[str, Any]) -> Address | None:
         """The operator's address resolver in tests: launcher pod -> its server on 127.0.0.1."""
         endpoint = self.endpoints.get(pod["metadata"]["uid"])
         return endpoint.address if endpoint is not None else None

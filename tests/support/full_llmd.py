@@ -76,6 +76,7 @@ SPEC: dict[str, Any] = {
             "wakeTimeoutSeconds": 300,
         },
     },
+    "networkPolicy": {"enabled": True},
 }
 
 API_ERROR = {

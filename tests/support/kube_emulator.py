@@ -203,6 +203,11 @@ class Emulator(kmock.KubernetesEmulator):
         self.slow_creates = {}
         self.failures: list[tuple[str, str, str | None, int]] = []  # (method, plural, subresource, status)
         self.denials: dict[tuple[str, str, str | None], tuple[int, str]] = {}  # see deny()
+        # RBAC for the operator's requests: f(request) -> None (allowed) or the 403's message
+        # (tests/support/rbac.py); None lets every request through.
+        self.authorizer: Callable[[Any], str | None] | None = None
+        self.operator_agents: tuple[str, ...] = ()  # the User-Agent prefixes the authorizer judges
+        self.forbidden: list[str] = []  # the messages of the 403s the authorizer answered
         # Extra rewrites a test wants the "server" to make: f(plural, body) on creates and patches.
         self.normalizers: list[Callable[[str, dict[str, Any]], None]] = []
         # (group, version, plural) -> the custom resource's structural schema (declare_resources).
@@ -381,8 +386,35 @@ class Emulator(kmock.KubernetesEmulator):
             await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
         return await kmock.Response(status=200, payload=raw)(request)
 
+    def _unauthorized(self, request: Any) -> str | None:
+        agent = request.headers.get("User-Agent", "")
+        if self.authorizer is None or not agent.startswith(self.operator_agents):
+            return None
+        return self.authorizer(request)
+
+    def _stale_write(self, request: Any) -> str | None:
+        """A write that names a resourceVersion other than the stored one: a real server's
+        optimistic concurrency (a Lease taken over between a read and a write is refused)."""
+        if request.action != enums.action.UPDATE or not isinstance(request.data, dict):
+            return None
+        given = (request.data.get("metadata") or {}).get("resourceVersion")
+        stored = self._stored(request)
+        if given is None or stored is None or str(given) == stored["metadata"].get("resourceVersion"):
+            return None
+        return (
+            f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": the object '
+            "has been modified; please apply your changes to the latest version and try again"
+        )
+
     async def _handle(self, request: Any) -> Any:
+        refusal = self._unauthorized(request)
+        if refusal is not None:
+            self.forbidden.append(refusal)
+            return await _status_response(403, "Forbidden", refusal)(request)
         if request.resource is not None:
+            stale = self._stale_write(request)
+            if stale is not None:
+                return await _status_response(409, "Conflict", stale)(request)
             status = self._injected_failure(request)
             if status is not None:
                 return await _status_response(status, "InternalError", "injected failure (test)")(request)

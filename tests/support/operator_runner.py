@@ -31,9 +31,10 @@ def operator_settings() -> kopf.OperatorSettings:
 
 @contextlib.asynccontextmanager
 async def running_operator(
-    cluster: Cluster, resolver: AddressResolver = pod_address, **memo: Any
+    cluster: Cluster, resolver: AddressResolver = pod_address, *, clusterwide: bool = False, **memo: Any
 ) -> AsyncIterator[asyncio.Task[None]]:
-    """The operator with the handlers of `berth.operator.handlers`, standalone, one namespace."""
+    """The operator with the handlers of `berth.operator.handlers`, standalone, the cluster's
+    namespace (or, `clusterwide`, every namespace, as `berth operator --all-namespaces`)."""
     import berth.operator.handlers  # noqa: F401  registers the handlers in kopf's default registry
 
     stop = asyncio.Event()
@@ -41,7 +42,8 @@ async def running_operator(
     task = asyncio.create_task(
         kopf.operator(
             standalone=True,
-            namespaces=[cluster.namespace],
+            clusterwide=clusterwide,
+            namespaces=[] if clusterwide else [cluster.namespace],
             settings=operator_settings(),
             stop_flag=stop,
             ready_flag=ready,

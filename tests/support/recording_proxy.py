@@ -22,11 +22,13 @@ class Recorded:
     method: str
     path: str
     authorization: str | None
+    uid: str = ""  # the pod's uid: a restarted launcher keeps its name, not its uid
 
 
 @dataclass
 class RecordingResolver:
-    upstream: Callable[[Mapping[str, Any]], Address | None]  # pod -> its engine, if one runs
+    # pod -> its engine (host, port[, admin port]), if one runs
+    upstream: Callable[[Mapping[str, Any]], tuple | None]
     requests: list[Recorded] = field(default_factory=list)
     _proxies: dict[str, tuple[web.AppRunner, Address]] = field(default_factory=dict)  # pod uid -> proxy
     _session: aiohttp.ClientSession | None = None
@@ -47,17 +49,27 @@ class RecordingResolver:
 
         async def forward(request: web.Request) -> web.StreamResponse:
             self.requests.append(
-                Recorded(name, request.method, request.path, request.headers.get("Authorization"))
+                Recorded(
+                    name,
+                    request.method,
+                    request.path,
+                    request.headers.get("Authorization"),
+                    pod["metadata"]["uid"],
+                )
             )
             target = self.upstream(pod)
             if target is None:
                 return web.json_response({"error": "no engine runs in this pod"}, status=503)
             assert self._session is not None
             headers = {key: value for key, value in request.headers.items() if key.lower() != "host"}
+            # One proxy port in front of both of the engine's: /admin goes to its admin port.
+            port = target[1]
+            if request.path.startswith("/admin") and len(target) > 2 and target[2]:
+                port = target[2]
             try:
                 async with self._session.request(
                     request.method,
-                    f"http://{target[0]}:{target[1]}{request.path_qs}",
+                    f"http://{target[0]}:{port}{request.path_qs}",
                     data=await request.read(),
                     headers=headers,
                 ) as answer:

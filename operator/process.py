@@ -1,0 +1,136 @@
+"""The operator's process (`berth operator`): a standby until it holds the Lease, then kopf with
+the handlers, for as long as it holds it.
+
+- Standby: it answers the liveness probe (it is healthy, only not leading) and watches nothing.
+- Leader: kopf runs; `LeaseElector.hold()` renews the Lease meanwhile. A lost Lease stops
+  kopf, and a kopf that has not stopped within `STOP_GRACE` is cut short by exiting the process:
+  either way nothing acts after the deadline, before any other replica may lead. The process
+  then exits 1 and its pod's restart brings it back as a standby.
+- SIGTERM: kopf stops, the Lease is given up (the standby leads at once), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import kopf
+from aiohttp import web
+
+from berth.operator.kube import Kube
+from berth.operator.leadership import STOP_GRACE, LeaseElector, timing_problem
+
+logger = logging.getLogger("berth.operator")
+
+
+def lease_namespace(args: argparse.Namespace) -> str:
+    """Where the replicas' Lease lives: --lease-namespace, else the pod's own namespace (the
+    Deployment passes it as $POD_NAMESPACE), else "default" (an operator run from a laptop)."""
+    return args.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
+
+
+def identity() -> str:
+    # The pod's name (its hostname), plus a random suffix: a restarted process is a new candidate.
+    return f"{socket.gethostname()}-{secrets.token_hex(4)}"
+
+
+@contextlib.asynccontextmanager
+async def standby_liveness(endpoint: str | None) -> AsyncIterator[None]:
+    """The liveness endpoint while standing by (kopf serves it once leading)."""
+    if not endpoint:
+        yield
+        return
+    url = urlsplit(endpoint)
+
+    async def alive(_: web.Request) -> web.Response:
+        return web.json_response({"standby": True})
+
+    app = web.Application()
+    app.router.add_get(url.path or "/", alive)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, url.hostname, url.port).start()
+        yield
+    finally:
+        await runner.cleanup()
+
+
+async def run(args: argparse.Namespace, memo: dict[str, Any] | None = None) -> int:
+    """`berth operator` after its arguments are read. `memo`: more for the handlers' memo."""
+    timings = {
+        "lease_seconds": args.lease_duration,
+        "renew_seconds": args.lease_renew_interval,
+        "deadline_seconds": args.lease_renew_deadline,
+    }
+    given = {key: value for key, value in timings.items() if value is not None}
+    problem = timing_problem(**given)
+    if problem:
+        print(f"berth operator: error: {problem}", file=sys.stderr)
+        return 2
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    kube = await Kube.connect(args.kubeconfig)
+    try:
+        elector = LeaseElector(kube, lease_namespace(args), identity(), **given)
+        async with standby_liveness(args.liveness):
+            if not await _first(elector.acquire(), stop.wait()):
+                return 0  # stopped while standing by
+        return await _lead(args, elector, stop, memo or {})
+    finally:
+        await kube.close()
+
+
+async def _first(wanted, other) -> bool:
+    """Runs both; True when `wanted` finished first (the other is cancelled either way)."""
+    tasks = [asyncio.ensure_future(wanted), asyncio.ensure_future(other)]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for task in done:
+        task.result()
+    return tasks[0] in done
+
+
+async def _lead(args: argparse.Namespace, elector: LeaseElector, stop: asyncio.Event, memo: dict) -> int:
+    operator = asyncio.ensure_future(
+        kopf.operator(
+            standalone=True,  # one actor: the Lease decides who, not kopf's peering
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness or None,
+            stop_flag=stop,
+            memo=kopf.Memo(kubeconfig=args.kubeconfig, **memo),
+        )
+    )
+    holding = asyncio.ensure_future(elector.hold())
+    await asyncio.wait({operator, holding}, return_when=asyncio.FIRST_COMPLETED)
+    if holding.done():
+        stop.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(operator), STOP_GRACE)
+        except (TimeoutError, asyncio.CancelledError):
+            logger.error("the operator did not stop within %.0f s of losing the lease: exiting", STOP_GRACE)
+            logging.shutdown()
+            os._exit(1)  # nothing may act past the deadline; the pod restarts as a standby
+        return 1
+    holding.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await holding
+    await elector.release()
+    operator.result()
+    return 0

@@ -1,0 +1,45 @@
+"""`berth operator` as a process of its own, for tests that kill it (`kill -9`), run two of
+them, or cut them off: the same entry point as the CLI's (`berth.operator.cli.run_operator`,
+leader election and kopf included), with one difference a test needs: launcher pods are mapped
+to their engines through a JSON file the test keeps current (pod uid -> [host, port]), when the
+engines run on 127.0.0.1, not at pod IPs (without --addresses: pod IPs, as in a cluster).
+
+    python tests/support/operator_process.py --addresses FILE [berth operator's arguments]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from berth.operator import cli
+
+
+class FileResolver:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, pod: Mapping[str, Any]) -> tuple | None:
+        try:
+            addresses = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        address = addresses.get(pod["metadata"]["uid"])
+        return tuple(address) if address else None
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="operator_process")
+    parser.add_argument("--addresses", type=Path, help="without it: pod IPs, as in a cluster")
+    cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    memo = {"resolve_launcher_address": FileResolver(args.addresses)} if args.addresses else {}
+    return cli.run_operator(args, memo)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
