@@ -136,8 +136,17 @@ async def test_every_dashboard_query_and_alert_against_a_real_prometheus(
         discovery.write_targets(sd / "berth-engines.json", engine_targets(cluster, fleet))
         discovery.write_targets(sd / "berth-operator.json", operator_targets(operator_metrics_port))
 
+    # While closed, the operator's health round waits at its launcher's address: a dead engine is
+    # then scraped before the operator restarts its world (whose new pod drops the old target).
+    polls = asyncio.Event()
+    polls.set()
+
+    async def resolve(pod: dict[str, Any]) -> Any:
+        await polls.wait()
+        return fleet.resolve(pod)
+
     with running_prometheus(config, tmp_path / "prometheus") as prometheus:
-        async with running_operator(cluster, fleet.resolve), sampling(discover, 0.2):
+        async with running_operator(cluster, resolve), sampling(discover, 0.2):
             await apply_one_world(cluster, tmp_path)
             await wait_for(lambda: world(cluster).get("phase") == "Ready", START_TIMEOUT, "the world Ready")
             engine = fleet.for_pod("llama-w0-launcher")
@@ -170,8 +179,10 @@ async def test_every_dashboard_query_and_alert_against_a_real_prometheus(
 
             # kill -9: the alert's expression turns true while the engine lies dead, then the
             # operator restarts the world.
+            polls.clear()
             await engine.kill_engine()
             await until(prometheus, ENGINE_DEAD, "BerthEngineDead's expression", timeout=30)
+            polls.set()
             await wait_for(
                 lambda: world(cluster).get("phase") == "Ready" and world(cluster).get("restarts") == 1,
                 START_TIMEOUT,
