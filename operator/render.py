@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from berth.engine.config import KV_CACHE_MEMORY_FRACTION_ENV
-from berth.operator import naming
+from berth.operator import naming, pod_template
 from berth.operator.crd_model import API_VERSION, GPU_RESOURCE, KIND, LLMDeploymentSpec
 from berth.operator.credentials import SSHKeyPair, b64
 
@@ -222,9 +222,11 @@ def _http_probes(spec: LLMDeploymentSpec) -> dict[str, Any]:
     }
 
 
-def _placement(spec: LLMDeploymentSpec) -> dict[str, Any]:
+def _placement(spec: LLMDeploymentSpec, role: str) -> dict[str, Any]:
+    """The deprecated shared placement: its nodeSelector (the GPU nodes) places workers only, a
+    toleration only permits, so every role keeps them. The roles' templates add theirs."""
     placement: dict[str, Any] = {}
-    if spec.node_selector:
+    if spec.node_selector and role == "worker":
         placement["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         placement["tolerations"] = [toleration.as_dict() for toleration in spec.tolerations]
@@ -283,7 +285,7 @@ def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
     model_volumes, model_mounts = _model_volumes(spec)
     selector = naming.role_labels(owner.name, world, "worker")
     pod: dict[str, Any] = {
-        **_placement(spec),
+        **_placement(spec, "worker"),
         # sshd runs as root (it switches to the login user); the ranks it starts do not.
         "securityContext": _pod_security(as_root=True),
         "containers": [
@@ -316,7 +318,7 @@ def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
                 ]
             }
         }
-    return pod
+    return pod_template.merge_spec(pod, spec.workers.template)
 
 
 def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
@@ -337,7 +339,10 @@ def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dic
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": labels, "annotations": {naming.SPEC_HASH: spec_hash(pod_spec)}},
+                "metadata": pod_template.merge_metadata(
+                    {"labels": labels, "annotations": {naming.SPEC_HASH: spec_hash(pod_spec)}},
+                    spec.workers.template,
+                ),
                 "spec": pod_spec,
             },
         },
@@ -379,7 +384,7 @@ def launcher_model(command: list[str]) -> tuple[str | None, str | None]:
 
 def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     model_volumes, model_mounts = _model_volumes(spec)
-    return {
+    pod = {
         # hostname + subdomain on the world's headless Service: frontends reach the launcher
         # at launcher.NAME-wI.NAMESPACE.svc whatever the pod's IP after a restart.
         "hostname": naming.LAUNCHER_HOSTNAME,
@@ -387,7 +392,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
         # Never: a launcher whose mpirun died cannot rejoin its world; the operator restarts
         # the whole world (launcher and workers together) instead.
         "restartPolicy": "Never",
-        **_placement(spec),
+        **_placement(spec, "launcher"),
         "securityContext": _pod_security(as_root=False),
         "containers": [
             {
@@ -420,6 +425,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
             *model_volumes,
         ],
     }
+    return pod_template.merge_spec(pod, spec.launcher.template)
 
 
 def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
@@ -427,11 +433,14 @@ def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str,
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _metadata(
-            owner,
-            naming.launcher_pod_name(owner.name, world),
-            naming.role_labels(owner.name, world, "launcher"),
-            {naming.SPEC_HASH: spec_hash(pod_spec)},
+        "metadata": pod_template.merge_metadata(
+            _metadata(
+                owner,
+                naming.launcher_pod_name(owner.name, world),
+                naming.role_labels(owner.name, world, "launcher"),
+                {naming.SPEC_HASH: spec_hash(pod_spec)},
+            ),
+            spec.launcher.template,
         ),
         "spec": pod_spec,
     }
@@ -461,28 +470,33 @@ def frontend_deployment(owner: Owner, spec: LLMDeploymentSpec, world: int) -> di
             "replicas": spec.frontends,
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    **_placement(spec),
-                    "securityContext": _pod_security(as_root=False),
-                    "containers": [
-                        {
-                            "name": "frontend",
-                            "image": spec.image,
-                            "imagePullPolicy": spec.image_pull_policy,
-                            "command": frontend_command(owner, world),
-                            "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT}],
-                            "env": _secret_env(owner) + _user_env(spec, world),
-                            "resources": spec.launcher_resources.as_dict(),
-                            **_http_probes(spec),
-                            "securityContext": _container_security(),
-                            "terminationMessagePolicy": "FallbackToLogsOnError",
-                        }
-                    ],
-                },
+                "metadata": pod_template.merge_metadata({"labels": labels}, spec.frontend.template),
+                "spec": frontend_pod_spec(owner, spec, world),
             },
         },
     }
+
+
+def frontend_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    pod = {
+        **_placement(spec, "frontend"),
+        "securityContext": _pod_security(as_root=False),
+        "containers": [
+            {
+                "name": "frontend",
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": frontend_command(owner, world),
+                "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT}],
+                "env": _secret_env(owner) + _user_env(spec, world),
+                "resources": spec.launcher_resources.as_dict(),
+                **_http_probes(spec),
+                "securityContext": _container_security(),
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+            }
+        ],
+    }
+    return pod_template.merge_spec(pod, spec.frontend.template)
 
 
 def world_children(owner: Owner, spec: LLMDeploymentSpec, world: int) -> list[dict[str, Any]]:

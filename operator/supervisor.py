@@ -18,7 +18,17 @@ from typing import Any
 
 import httpx
 
-from berth.operator import conditions, engine_admin, naming, reconcile, render, rollout, schedule, worlds
+from berth.operator import (
+    conditions,
+    engine_admin,
+    naming,
+    pod_template,
+    reconcile,
+    render,
+    rollout,
+    schedule,
+    worlds,
+)
 from berth.operator.child_problems import ChildProblems, RefusedWrite, controlled_by, controller_of
 from berth.operator.crd_model import API_VERSION, KIND, InvalidSpec, LLMDeploymentSpec, parse_spec
 from berth.operator.credentials import unb64
@@ -207,6 +217,7 @@ class Supervisor:
             rollout=rolling.memory,
             reconciled=reconciled_now,
         )
+        conds.append(pod_template.deprecation_condition(spec))  # a warning: nothing is refused
         ready = sum(1 for world in statuses if world.get("phase") == "Ready")
         self.metrics.set_world_phases(namespace, name, [world["phase"] for world in statuses])
         extra = {
