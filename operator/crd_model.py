@@ -387,7 +387,7 @@ class SchedulingSpec(_Model):
     """none: berth releases a partly scheduled world itself after timeoutSeconds; coscheduling:
     a scheduler-plugins PodGroup; volcano: a Volcano PodGroup; kueue: Kueue's pod-group labels.
     Set the gang scheduler's schedulerName in the templates (coscheduling, volcano)."""
-    timeout_seconds: int = Field(default=300, ge=10, le=86400)
+    timeout_seconds: int = Field(default=300, ge=1, le=86400)
     """How long a world's pods may wait to be scheduled, all of them, before the world is
     released (gang none) or the PodGroup gives up (scheduleTimeoutSeconds)."""
     queue_name: str | None = Field(default=None, min_length=1, max_length=253)

@@ -28,6 +28,8 @@ PLURALS = {
     "StatefulSet": "statefulsets",
     "Deployment": "deployments",
     "LLMDeployment": "llmdeployments",
+    "PodGroup": "podgroups",  # scheduler-plugins' and Volcano's (operator/gang.py)
+    "PodDisruptionBudget": "poddisruptionbudgets",
 }
 
 MERGE_PATCH = "application/merge-patch+json"

@@ -348,14 +348,20 @@ def retiring_worlds(spec: LLMDeploymentSpec, launchers: list[dict[str, Any]]) ->
     return found
 
 
-async def prune(kube: Kube, owner: render.Owner, spec: LLMDeploymentSpec, outcome: Outcome) -> None:
+async def prune(
+    kube: Kube,
+    owner: render.Owner,
+    spec: LLMDeploymentSpec,
+    outcome: Outcome,
+    released: frozenset[int] = frozenset(),
+) -> None:
     """Delete the children of worlds beyond `replicas` and frontends no longer wanted.
 
     A world beyond `replicas` keeps everything while its launcher pod stands: the health
     daemon first drains its engine (sleep, mode drain) and deletes the launcher, so requests
     in flight there finish; the rest of the world goes on the next prune.
     """
-    wanted = {_ref(child) for child in render.children(owner, spec)}
+    wanted = {_ref(child) for child in render.children(owner, spec, released)}
     selector = {naming.MANAGED_BY: "berth", naming.DEPLOYMENT: owner.name}
     launchers = {naming.ROLE: "launcher"}
     live_launchers = [
@@ -395,6 +401,7 @@ async def reconcile(
     *,
     prune_extra: bool,
     drift: DriftMemory | None = None,
+    released: frozenset[int] = frozenset(),
 ) -> Outcome:
     """Secrets first (pods reference them), then every world's hostfile, headless Service and
     StatefulSet and the endpoint, then the launcher pods and frontends (their hostfile and
@@ -405,7 +412,7 @@ async def reconcile(
     2-world deployment took 26 sequential round trips)."""
     outcome = Outcome()
     secrets_usable = await ensure_secrets(kube, owner, outcome)
-    children = render.children(owner, spec)
+    children = render.children(owner, spec, released)  # released: worlds without pods (gang.py)
     # Every pod mounts the Secrets: none is made from a Secret that is not this deployment's.
     mounts_secrets = ("StatefulSet", "Pod", "Deployment")
     first = [
@@ -427,5 +434,5 @@ async def reconcile(
     ]
     await asyncio.gather(*(ensure(kube, child, outcome, drift) for child in second))
     if prune_extra:
-        await prune(kube, owner, spec, outcome)
+        await prune(kube, owner, spec, outcome, released)
     return outcome

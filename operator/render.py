@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from berth.engine.config import KV_CACHE_MEMORY_FRACTION_ENV
-from berth.operator import naming, pod_template
+from berth.operator import gang, naming, pod_template
 from berth.operator.crd_model import API_VERSION, GPU_RESOURCE, KIND, LLMDeploymentSpec
 from berth.operator.credentials import SSHKeyPair, b64
 
@@ -283,7 +283,6 @@ def headless_service(owner: Owner, world: int) -> dict[str, Any]:
 
 def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     model_volumes, model_mounts = _model_volumes(spec)
-    selector = naming.role_labels(owner.name, world, "worker")
     pod: dict[str, Any] = {
         **_placement(spec, "worker"),
         # sshd runs as root (it switches to the login user); the ranks it starts do not.
@@ -309,19 +308,64 @@ def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
         ],
         "volumes": [_ssh_volume(owner), _shm_volume(), *model_volumes],
     }
-    if spec.nodes_per_world > 1:
-        # One worker pod per node: two ranks' pods on one node would share its GPUs' budget.
-        pod["affinity"] = {
-            "podAntiAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": [
-                    {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}
-                ]
-            }
-        }
+    affinity = worker_affinity(owner, spec, world)
+    if affinity:
+        pod["affinity"] = affinity
     return pod_template.merge_spec(pod, spec.workers.template)
 
 
-def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+def worker_affinity(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    """Packing and topology. A worker pod holds gpusPerNode ranks and requests that many GPUs, so
+    the scheduler's resource fit already keeps two pods off a node too small for both; nothing
+    spreads a world that one node can hold. Its pods prefer each other's node (ranks on one node
+    talk over NVLink), must share one `topologyKey` domain when one is set, and prefer domains
+    where no other world of the deployment runs."""
+    key = spec.workers.topology_key
+    if spec.nodes_per_world == 1 and not key:
+        return {}  # one pod: nothing to pack
+    own = {"labelSelector": {"matchLabels": naming.role_labels(owner.name, world, "worker")}}
+    affinity: dict[str, Any] = {
+        "podAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 100, "podAffinityTerm": {**own, "topologyKey": "kubernetes.io/hostname"}}
+            ]
+        }
+    }
+    if key:
+        affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] = [
+            {**own, "topologyKey": key}
+        ]
+        others = {
+            "matchLabels": {naming.DEPLOYMENT: owner.name, naming.ROLE: "worker"},
+            "matchExpressions": [{"key": naming.WORLD, "operator": "NotIn", "values": [str(world)]}],
+        }
+        affinity["podAntiAffinity"] = {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 50, "podAffinityTerm": {"labelSelector": others, "topologyKey": key}}
+            ]
+        }
+    return affinity
+
+
+def _gang_metadata(meta: dict[str, Any], owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    """Pod metadata with the world's gang membership (berth's: after the template's)."""
+    labels, annotations = gang.pod_metadata(spec, naming.world_name(owner.name, world))
+    if labels:
+        meta["labels"] = {**meta.get("labels", {}), **labels}
+    if annotations:
+        meta["annotations"] = {**meta.get("annotations", {}), **annotations}
+    return meta
+
+
+def pod_group(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any] | None:
+    name = naming.world_name(owner.name, world)
+    return gang.pod_group(_metadata(owner, name, naming.world_labels(owner.name, world)), spec, world)
+
+
+def worker_statefulset(
+    owner: Owner, spec: LLMDeploymentSpec, world: int, released: bool = False
+) -> dict[str, Any]:
+    """`released`: the world gave its pods back for lack of room (gang.py): no worker pod."""
     labels = naming.role_labels(owner.name, world, "worker")
     selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.WORLD, naming.ROLE)}
     pod_spec = worker_pod_spec(owner, spec, world)
@@ -331,7 +375,7 @@ def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dic
         "metadata": _metadata(owner, naming.world_name(owner.name, world), labels),
         "spec": {
             "serviceName": naming.world_name(owner.name, world),
-            "replicas": spec.nodes_per_world,
+            "replicas": 0 if released else spec.nodes_per_world,
             # All ranks start together; ordered start-up would only delay the world.
             "podManagementPolicy": "Parallel",
             # OnDelete: a template change must not roll ranks one by one under a running MPI
@@ -339,9 +383,14 @@ def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dic
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": pod_template.merge_metadata(
-                    {"labels": labels, "annotations": {naming.SPEC_HASH: spec_hash(pod_spec)}},
-                    spec.workers.template,
+                "metadata": _gang_metadata(
+                    pod_template.merge_metadata(
+                        {"labels": labels, "annotations": {naming.SPEC_HASH: spec_hash(pod_spec)}},
+                        spec.workers.template,
+                    ),
+                    owner,
+                    spec,
+                    world,
                 ),
                 "spec": pod_spec,
             },
@@ -433,14 +482,19 @@ def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str,
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": pod_template.merge_metadata(
-            _metadata(
-                owner,
-                naming.launcher_pod_name(owner.name, world),
-                naming.role_labels(owner.name, world, "launcher"),
-                {naming.SPEC_HASH: spec_hash(pod_spec)},
+        "metadata": _gang_metadata(
+            pod_template.merge_metadata(
+                _metadata(
+                    owner,
+                    naming.launcher_pod_name(owner.name, world),
+                    naming.role_labels(owner.name, world, "launcher"),
+                    {naming.SPEC_HASH: spec_hash(pod_spec)},
+                ),
+                spec.launcher.template,
             ),
-            spec.launcher.template,
+            owner,
+            spec,
+            world,
         ),
         "spec": pod_spec,
     }
@@ -499,14 +553,19 @@ def frontend_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
     return pod_template.merge_spec(pod, spec.frontend.template)
 
 
-def world_children(owner: Owner, spec: LLMDeploymentSpec, world: int) -> list[dict[str, Any]]:
+def world_children(
+    owner: Owner, spec: LLMDeploymentSpec, world: int, released: bool = False
+) -> list[dict[str, Any]]:
     """Everything world `world` consists of, in creation order (the launcher pod last but one:
-    its hostfile and its workers' Service exist before mpirun looks for them)."""
+    its hostfile and its workers' Service exist before mpirun looks for them). A `released`
+    world (gang.py) has no launcher and no worker pod until it tries again."""
+    group = pod_group(owner, spec, world)
     children = [
         hostfile(owner, spec, world),
         headless_service(owner, world),
-        worker_statefulset(owner, spec, world),
-        launcher_pod(owner, spec, world),
+        *([group] if group else []),
+        worker_statefulset(owner, spec, world, released),
+        *([] if released else [launcher_pod(owner, spec, world)]),
     ]
     if spec.frontends:
         children.append(frontend_deployment(owner, spec, world))
@@ -531,10 +590,12 @@ def endpoint_service(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
     }
 
 
-def children(owner: Owner, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
+def children(
+    owner: Owner, spec: LLMDeploymentSpec, released: frozenset[int] = frozenset()
+) -> list[dict[str, Any]]:
     """Every child except the Secrets (those are generated once, not rendered from the spec)."""
     result: list[dict[str, Any]] = []
     for world in range(spec.replicas):
-        result += world_children(owner, spec, world)
+        result += world_children(owner, spec, world, world in released)
     result.append(endpoint_service(owner, spec))
     return result

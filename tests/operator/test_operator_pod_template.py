@@ -121,7 +121,9 @@ def test_user_affinity_terms_are_added_to_berths() -> None:
     assert worker["affinity"]["nodeAffinity"] == zone["nodeAffinity"]
     anti = worker["affinity"]["podAntiAffinity"]
     assert anti["preferredDuringSchedulingIgnoredDuringExecution"] == [{"weight": 1}]
-    assert anti["requiredDuringSchedulingIgnoredDuringExecution"]  # berth's one pod per node stays
+    assert worker["affinity"]["podAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]  # berth's packing
 
 
 @pytest.mark.parametrize(

@@ -153,6 +153,12 @@ STATUS: dict[str, Any] = {
             "probeFailures": 0,
             "replacedPods": ["0a2f"],
             "members": {"llama-w0-launcher": "0a2f/0"},
+            "scheduling": {
+                "waitingSince": TIME,
+                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                "attempts": 1,
+                "retryAt": TIME,
+            },
             "modelRevision": "/models/llama/v2@sha256:abc",
             "modelRevisionLabel": "2026-12-05",
             "sleepLevel": 0,
