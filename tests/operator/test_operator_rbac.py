@@ -31,6 +31,12 @@ NOT_EXERCISED = {
     # No request of its own: the OwnerReferencesPermissionEnforcement admission plugin checks it
     # whenever the operator creates a child with blockOwnerDeletion: true (every child).
     ("berth.dev", "llmdeployments/finalizers", "update"),
+    # PodGroups exist only with a gang scheduler (spec.scheduling.gang); this run has none.
+    *(
+        (group, "podgroups", verb)
+        for group in ("scheduling.x-k8s.io", "scheduling.volcano.sh")
+        for verb in ("get", "create", "patch")
+    ),
 }
 
 
