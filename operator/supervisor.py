@@ -20,6 +20,7 @@ import httpx
 
 from berth.operator import (
     conditions,
+    disruption,
     engine_admin,
     gang,
     naming,
@@ -136,6 +137,15 @@ class Supervisor:
         released = gang.released_worlds(previous_status.get("worlds") or [], now)
         await self._resync(owner, spec, reconciled, now, released)
         pods = await self._own_pods(owner)
+        lost = await disruption.release_from_lost_nodes(self.kube, pods)
+        for pod_name in lost:
+            self.post_event(
+                "Warning",
+                "PodOnLostNode",
+                f"pod {pod_name} was terminating on a node that does not answer: deleted with grace period 0",
+            )
+        if lost:
+            pods = await self._own_pods(owner)
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         previous_worlds = {world.get("index"): world for world in previous_status.get("worlds") or []}
         token = await self._token(owner)

@@ -7,12 +7,15 @@ each need 4 GPUs on a cluster of 6 (3 nodes x 2) plus a CPU node, the real opera
   untouched; once the first is deleted, the second comes up.
 - coscheduling: a PodGroup per world (minMember = launcher + workers); the scheduler binds a
   group whole or not at all, so the second deployment's pods stay unbound (nothing held).
+- a lost node under a launcher: its pod, stuck Terminating (no kubelet confirms), is deleted
+  with grace period 0 and the world comes back on the other CPU node.
 - templates on nodes: GPU nodes tainted, the workers' template tolerates the taint and selects
   GPU nodes; launchers (no GPU selection any more) land on the CPU node.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ LLMD = "berth.dev/v1alpha1/llmdeployments"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 NODES = [
     node("cpu-0"),
+    node("cpu-1"),
     *(
         node(f"gpu-{n}", gpus=2, labels={"gpu": "yes", "rack": f"r{n % 2}"}, taints=[GPU_TAINT])
         for n in range(3)
@@ -119,7 +123,7 @@ async def test_without_a_gang_scheduler_berth_releases_the_world_that_does_not_f
     await wait_for(lambda: scheduled.gpus_held("default", waiting) == 0, 10, "the released world's GPUs back")
     released = world(cluster, waiting)
     assert released["phase"] in ("Unschedulable", "Pending")
-    assert "0/4 nodes are available:" in released["scheduling"]["message"]
+    assert "0/5 nodes are available:" in released["scheduling"]["message"]
     assert "Insufficient nvidia.com/gpu" in released["scheduling"]["message"]
     assert released.get("restarts", 0) == 0  # a release is not a restart
     events = [e["message"] for e in cluster.objects("v1/events") if e.get("reason") == "WorldUnschedulable"]
@@ -172,3 +176,28 @@ async def test_with_coscheduling_the_second_world_holds_nothing_until_the_first_
         lambda: world(cluster, "second").get("phase") == "Ready", 30 + START_TIMEOUT, "second Ready"
     )
     assert set(bound(cluster, "second")) == {"second-w0-launcher", "second-w0-0", "second-w0-1"}
+
+
+async def test_a_launcher_on_a_lost_node_is_force_deleted_and_its_world_comes_back(
+    cluster: Cluster, scheduled: Scheduler, tmp_path: Path
+) -> None:
+    await apply(cluster, tmp_path, manifest("solo", "none"))
+    await wait_for(lambda: world(cluster, "solo").get("phase") == "Ready", START_TIMEOUT, "solo Ready")
+    launcher = cluster.get("v1/pods", "solo-w0-launcher")
+    old_uid, lost = launcher["metadata"]["uid"], launcher["spec"]["nodeName"]
+    started = time.monotonic()
+    await scheduled.lose(lost)  # the node and its processes are gone; the API still says Running
+
+    def back() -> bool:
+        pod = cluster.get("v1/pods", "solo-w0-launcher") or {"metadata": {}, "spec": {}}
+        return (
+            pod["metadata"].get("uid") not in (None, old_uid)
+            and world(cluster, "solo").get("phase") == "Ready"
+        )
+
+    await wait_for(back, 30 + START_TIMEOUT, "the world back on another node")
+    print(f"world back {time.monotonic() - started:.1f}s after its launcher's node was lost")
+    assert cluster.get("v1/pods", "solo-w0-launcher")["spec"]["nodeName"] not in (lost, None)
+    events = [e for e in cluster.objects("v1/events") if e.get("reason") == "PodOnLostNode"]
+    assert any("solo-w0-launcher" in e["message"] and "grace period 0" in e["message"] for e in events)
+    assert world(cluster, "solo")["lastRestartReason"] == "Unreachable"

@@ -403,8 +403,14 @@ class ClusterSim:
             pod = self._running_pods.pop(uid)
             if self.on_pod_stop is not None:
                 await self.on_pod_stop(pod)
+        lost = self.scheduler.lost_nodes() if self.scheduler is not None else set()
         for uid, pod in live.items():
             meta = pod["metadata"]
+            if pod["spec"].get("nodeName") in lost:
+                # The node went away with its processes; its status stays what it last said.
+                if uid in self._running_pods and self.on_pod_stop is not None:
+                    await self.on_pod_stop(self._running_pods.pop(uid))
+                continue
             if meta.get("deletionTimestamp") and pod["spec"].get("nodeName"):
                 # A bound pod's deletion is graceful: the node's kubelet confirms it once stopped.
                 with contextlib.suppress(AssertionError):

@@ -207,6 +207,16 @@ class Scheduler:
             {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "NodeStatusUnknown"}]}},
         )
 
+    def lost_nodes(self) -> set[str]:
+        """Names of the nodes whose Ready condition is not True."""
+        return {
+            obj["metadata"]["name"]
+            for obj in self.cluster.objects("v1/nodes", None)
+            if not any(
+                c["type"] == "Ready" and c["status"] == "True" for c in obj["status"].get("conditions") or []
+            )
+        }
+
     def gpus_held(self, namespace: str, deployment: str) -> int:
         """GPUs requested by the bound pods of one LLMDeployment."""
         return int(
