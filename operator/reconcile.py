@@ -427,10 +427,16 @@ async def reconcile(
     held_up = {conflict.world for conflict in outcome.conflicts} | {
         refused.world for refused in outcome.refused if refused.verb == "create"
     }
+    # Without a gang scheduler a launcher waits for its workers' nodes: the health loop creates
+    # it then (gang.launcher_may_start), so its startup budget is not spent on scheduling.
+    launchers_later = spec.scheduling.gang == "none"
     second = [
         child
         for child in children
-        if child["kind"] in ("Pod", "Deployment") and secrets_usable and _world(child) not in held_up
+        if child["kind"] in ("Pod", "Deployment")
+        and secrets_usable
+        and _world(child) not in held_up
+        and not (child["kind"] == "Pod" and launchers_later)
     ]
     await asyncio.gather(*(ensure(kube, child, outcome, drift) for child in second))
     if prune_extra:

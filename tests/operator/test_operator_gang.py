@@ -139,8 +139,10 @@ async def test_without_a_gang_scheduler_berth_releases_the_world_that_does_not_f
     placed = bound(cluster, running)
     assert placed[f"{running}-w0-launcher"] == "cpu-0"
     assert {placed[f"{running}-w0-0"], placed[f"{running}-w0-1"]} <= {"gpu-0", "gpu-1", "gpu-2"}
-    first_bound = [pod for pod, _ in scheduled.bindings if pod.startswith(f"{running}-w0")]
-    assert first_bound[-1] == f"{running}-w0-launcher"
+    history = scheduled.history
+    launcher_asked = history.index(("pending", f"{running}-w0-launcher"))
+    assert launcher_asked > history.index(("bound", f"{running}-w0-0"))
+    assert launcher_asked > history.index(("bound", f"{running}-w0-1"))
 
     # Retries back off with jitter; once the running deployment goes, the other comes up.
     retry = parse_time(world(cluster, waiting)["scheduling"]["retryAt"])

@@ -194,6 +194,8 @@ class Scheduler:
     cluster: Cluster
     nodes: list[dict[str, Any]]
     bindings: list[tuple[str, str]] = field(default_factory=list)  # (pod, node), in order
+    # ("pending" | "bound", pod): when each pod was first seen waiting for a node, and bound.
+    history: list[tuple[str, str]] = field(default_factory=list)
 
     async def create_nodes(self) -> None:
         for obj in self.nodes:
@@ -241,6 +243,8 @@ class Scheduler:
                 placement.bound[where].append(pod)
             elif not where and not pod["metadata"].get("deletionTimestamp"):
                 pending.append(pod)
+                if ("pending", pod["metadata"]["name"]) not in self.history:
+                    self.history.append(("pending", pod["metadata"]["name"]))
         pending.sort(
             key=lambda pod: (pod["metadata"].get("creationTimestamp") or "", pod["metadata"]["name"])
         )
@@ -315,6 +319,7 @@ class Scheduler:
         except AssertionError:
             return  # deleted meanwhile: the next pass sees it gone
         self.bindings.append((meta["name"], node_name))
+        self.history.append(("bound", meta["name"]))
 
     async def _unschedulable(self, pod: dict[str, Any], message: str) -> None:
         meta = pod["metadata"]
