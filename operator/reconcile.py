@@ -264,6 +264,18 @@ async def keep(
     return result
 
 
+async def _existing(kube: Kube, desired: Mapping[str, Any], outcome: Outcome) -> None:
+    """`ensure` without the create: an object in the way is still found and reported."""
+    meta = desired["metadata"]
+    try:
+        live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    except KubeError as exc:
+        _refused(exc, "get", desired, outcome)
+        return
+    if live is not None:
+        await keep(kube, desired, live, outcome)
+
+
 def _refused(exc: KubeError, verb: str, desired: Mapping[str, Any], outcome: Outcome) -> None:
     if exc.status not in REFUSED:
         raise exc
@@ -433,12 +445,16 @@ async def reconcile(
     second = [
         child
         for child in children
-        if child["kind"] in ("Pod", "Deployment")
-        and secrets_usable
-        and _world(child) not in held_up
-        and not (child["kind"] == "Pod" and launchers_later)
+        if child["kind"] in ("Pod", "Deployment") and secrets_usable and _world(child) not in held_up
     ]
-    await asyncio.gather(*(ensure(kube, child, outcome, drift) for child in second))
+    await asyncio.gather(
+        *(
+            _existing(kube, child, outcome)
+            if child["kind"] == "Pod" and launchers_later
+            else ensure(kube, child, outcome, drift)
+            for child in second
+        )
+    )
     if prune_extra:
         await prune(kube, owner, spec, outcome, released)
     return outcome
