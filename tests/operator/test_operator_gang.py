@@ -92,6 +92,11 @@ async def apply(cluster: Cluster, tmp_path: Path, *docs: dict[str, Any]) -> None
     await cluster.kubectl("apply", "--validate=false", "-f", str(path))
 
 
+async def deploy_ready(cluster: Cluster, tmp_path: Path, name: str, gang: str) -> None:
+    await apply(cluster, tmp_path, manifest(name, gang))
+    await wait_for(lambda: world(cluster, name).get("phase") == "Ready", START_TIMEOUT, f"{name} Ready")
+
+
 def world(cluster: Cluster, name: str) -> dict[str, Any]:
     status = (cluster.get(LLMD, name) or {}).get("status") or {}
     return (status.get("worlds") or [{}])[0]
@@ -158,8 +163,7 @@ async def test_without_a_gang_scheduler_berth_releases_the_world_that_does_not_f
 async def test_with_coscheduling_the_second_world_holds_nothing_until_the_first_goes(
     cluster: Cluster, scheduled: Scheduler, tmp_path: Path
 ) -> None:
-    await apply(cluster, tmp_path, manifest("first", "coscheduling"))
-    await wait_for(lambda: world(cluster, "first").get("phase") == "Ready", START_TIMEOUT, "first Ready")
+    await deploy_ready(cluster, tmp_path, "first", "coscheduling")
     group = cluster.get("scheduling.x-k8s.io/v1alpha1/podgroups", "first-w0")
     assert group is not None and group["spec"]["minMember"] == 3
     pod = cluster.get("v1/pods", "first-w0-launcher") or {}
@@ -183,8 +187,7 @@ async def test_with_coscheduling_the_second_world_holds_nothing_until_the_first_
 async def test_a_launcher_on_a_lost_node_is_force_deleted_and_its_world_comes_back(
     cluster: Cluster, scheduled: Scheduler, tmp_path: Path
 ) -> None:
-    await apply(cluster, tmp_path, manifest("solo", "none"))
-    await wait_for(lambda: world(cluster, "solo").get("phase") == "Ready", START_TIMEOUT, "solo Ready")
+    await deploy_ready(cluster, tmp_path, "solo", "none")
     launcher = cluster.get("v1/pods", "solo-w0-launcher")
     old_uid, lost = launcher["metadata"]["uid"], launcher["spec"]["nodeName"]
     started = time.monotonic()
