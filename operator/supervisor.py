@@ -723,7 +723,8 @@ class Supervisor:
         """Delete the launcher and every worker pod together, then start a new launcher.
 
         The StatefulSet brings the workers back under the same names (stable host names, so
-        the hostfile stays valid); the launcher is ours to recreate (once the old one is gone).
+        the hostfile stays valid); the launcher is ours to recreate (once the old one is gone,
+        and without a gang scheduler once the new workers have nodes).
         """
         for name in doomed:
             await self._write(
@@ -739,7 +740,8 @@ class Supervisor:
                 await reconcile.ensure(self.kube, sts, outcome, self.drift)
                 for event in outcome.events() + outcome.record_writes(self.problems, now):
                     self.post_event(*event)
-        if self._may_create_launcher(owner, index, now):
+        # Without a gang scheduler the next rounds create it, once the new workers have nodes.
+        if spec.scheduling.gang != "none" and self._may_create_launcher(owner, index, now):
             await self._create_launcher(owner, spec, index, now)
 
     async def _release_world(
