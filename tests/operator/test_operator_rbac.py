@@ -44,6 +44,14 @@ NOT_EXERCISED = {
     # No request of its own: the OwnerReferencesPermissionEnforcement admission plugin checks it
     # whenever the operator creates a child with blockOwnerDeletion: true (every child).
     ("berth.dev", "llmdeployments/finalizers", "update"),
+    # Read only for a pod stuck terminating on its node (a lost node); this run loses none.
+    ("", "nodes", "get"),
+    # PodGroups exist only with a gang scheduler (spec.scheduling.gang); this run has none.
+    *(
+        (group, "podgroups", verb)
+        for group in ("scheduling.x-k8s.io", "scheduling.volcano.sh")
+        for verb in ("get", "create", "patch")
+    ),
 }
 
 
