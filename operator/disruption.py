@@ -7,14 +7,23 @@ its world would never come back. The operator ends that wait itself: a world's p
 terminating on a lost node is deleted with grace period 0 (what `kubectl delete --force` does);
 the world is then recreated on nodes that answer. The processes on the lost node, if it still
 runs them, are fenced off by the world's new identity (a new launcher, new worker pods).
+
+Nodes are cluster-scoped, so the namespaced install (a Role per namespace) cannot read them.
+There a pod still present `OVERDUE_SECONDS` after its deletion deadline (deletionTimestamp: the
+request's time plus the pod's grace period, after which a kubelet kills and confirms at once) is
+taken to be on a lost node.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from berth.operator.kube import Kube
+from berth.operator.kube import Kube, KubeError
+from berth.operator.restarts import parse_time
+
+OVERDUE_SECONDS = 60.0
 
 
 def node_lost(node: Mapping[str, Any] | None) -> bool:
@@ -34,16 +43,36 @@ def stranded(pods: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     ]
 
 
-async def release_from_lost_nodes(kube: Kube, pods: list[Mapping[str, Any]]) -> list[str]:
+def overdue(pod: Mapping[str, Any], now: dt.datetime) -> bool:
+    """Still there `OVERDUE_SECONDS` past its deletion deadline: no kubelet is confirming it."""
+    deadline = parse_time(pod["metadata"]["deletionTimestamp"])
+    return (now - deadline).total_seconds() > OVERDUE_SECONDS
+
+
+async def _node_lost(kube: Kube, name: str) -> bool | None:
+    """Whether the node is lost; None when this install may not read Nodes (namespaced)."""
+    try:
+        return node_lost(await kube.get("v1", "Node", None, name))  # type: ignore[arg-type]
+    except KubeError as error:
+        if error.status == 403:
+            return None
+        raise
+
+
+async def release_from_lost_nodes(
+    kube: Kube, pods: list[Mapping[str, Any]], now: dt.datetime | None = None
+) -> list[str]:
     """Force-delete (grace 0) the terminating pods whose node is lost; returns their names."""
+    now = now or dt.datetime.now(dt.timezone.utc)
     candidates = stranded(pods)
-    nodes: dict[str, bool] = {}
+    nodes: dict[str, bool | None] = {}
     released = []
     for pod in candidates:
         name = pod["spec"]["nodeName"]
         if name not in nodes:
-            nodes[name] = node_lost(await kube.get("v1", "Node", None, name))  # type: ignore[arg-type]
-        if nodes[name]:
+            nodes[name] = await _node_lost(kube, name)
+        lost = nodes[name]
+        if lost if lost is not None else overdue(pod, now):
             meta = pod["metadata"]
             if await kube.delete("v1", "Pod", meta["namespace"], meta["name"], grace_seconds=0):
                 released.append(meta["name"])

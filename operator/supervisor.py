@@ -145,7 +145,7 @@ class Supervisor:
         released = gang.released_worlds(previous_status.get("worlds") or [], now)
         await self._resync(owner, spec, reconciled, now, released)
         pods = await self._own_pods(owner)
-        lost = await disruption.release_from_lost_nodes(self.kube, pods)
+        lost = await disruption.release_from_lost_nodes(self.kube, pods, now)
         for pod_name in lost:
             self.post_event(
                 "Warning",
