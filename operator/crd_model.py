@@ -20,12 +20,12 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
-from berth.operator.quantity import canonical_quantity
+from berth.operator.pod_template import PodTemplate, template_problems
+from berth.operator.quantity import Quantity, canonical_quantity, check_quantity
 
 GROUP = "berth.dev"
 VERSION = "v1alpha1"
@@ -47,11 +47,6 @@ MANAGED_FLAGS = (
 )
 MANAGED_FLAG_PATTERN = r"^--(" + "|".join(MANAGED_FLAGS) + r")(=.*)?$"
 
-# Kubernetes' own quantity grammar (k8s.io/apimachinery resource.Quantity).
-QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -189,24 +184,6 @@ class ModelSpec(_Model):
         return self
 
 
-# An int or a string in Kubernetes' quantity grammar, as the API server's own types declare it.
-Quantity = Annotated[
-    str | int | float,
-    WithJsonSchema(
-        {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "x-kubernetes-int-or-string": True,
-            "pattern": QUANTITY_PATTERN,
-        }
-    ),
-]
-
-
-def _check_quantity(value: str | int | float, where: str) -> None:
-    if isinstance(value, bool) or not re.match(QUANTITY_PATTERN, str(value)):
-        raise ValueError(f"{where}: {value!r} is not a Kubernetes quantity (e.g. 500m, 2, 16Gi)")
-
-
 class Resources(_Model):
     """CPU / memory requests and limits."""
 
@@ -219,7 +196,7 @@ class Resources(_Model):
     def _quantities(self) -> Resources:
         for part in ("requests", "limits"):
             for key, value in getattr(self, part).items():
-                _check_quantity(value, f"{part}.{key}")
+                check_quantity(value, f"{part}.{key}")
         return self
 
     def as_dict(self) -> dict[str, dict[str, str]]:
@@ -501,6 +478,37 @@ class NetworkPolicySpec(_Model):
     False: none (a cluster whose own policies say it)."""
 
 
+class RoleSpec(_Model):
+    """Settings of one role's pods (launcher or frontend)."""
+
+    template: PodTemplate = Field(default_factory=PodTemplate)
+    """Pod template merged over what berth renders (containers and volumes by name); berth's
+    command, ports, probes and engine environment cannot be overridden."""
+
+
+class WorkersSpec(RoleSpec):
+    """Settings of the worker pods."""
+
+    topology_key: str | None = Field(default=None, min_length=1, max_length=317)
+    """Node label (e.g. nvidia.com/gpu.clique, a rack label) whose value all worker pods of one
+    world share: a world stays inside one NVLink / InfiniBand domain; worlds spread across domains
+    when they can."""
+
+
+class SchedulingSpec(_Model):
+    """How a world's pods are scheduled: all of them or none."""
+
+    gang: Literal["none", "coscheduling", "volcano", "kueue"] = "none"
+    """none: berth releases a partly scheduled world itself after timeoutSeconds; coscheduling:
+    a scheduler-plugins PodGroup; volcano: a Volcano PodGroup; kueue: Kueue's pod-group labels.
+    Set the gang scheduler's schedulerName in the templates (coscheduling, volcano)."""
+    timeout_seconds: int = Field(default=300, ge=1, le=86400)
+    """How long a world's pods may wait to be scheduled, all of them, before the world is
+    released (gang none) or the PodGroup gives up (scheduleTimeoutSeconds)."""
+    queue_name: str | None = Field(default=None, min_length=1, max_length=253)
+    """Kueue LocalQueue (gang kueue) or Volcano queue (gang volcano)."""
+
+
 ENGINE_ARGS_RULE = {
     "rule": "self.all(a, !a.matches('^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$'))",
     "message": "engineArgs must not set "
@@ -563,9 +571,18 @@ class LLMDeploymentSpec(_Model):
     launcher_resources: Resources = Field(default_factory=Resources)
     """CPU / memory requests and limits of launcher and frontend pods (no GPUs)."""
     node_selector: dict[str, str] = Field(default_factory=dict)
-    """Node labels every pod of the deployment must match (e.g. a GPU model)."""
+    """Deprecated: node labels the worker pods must match (launchers and frontends no longer
+    inherit it); use workers.template.spec.nodeSelector."""
     tolerations: tuple[Toleration, ...] = ()
-    """Tolerations of every pod (e.g. for tainted GPU nodes)."""
+    """Deprecated: tolerations of every pod; use the roles' template.spec.tolerations."""
+    launcher: RoleSpec = Field(default_factory=RoleSpec)
+    """The launcher pods (`berth launch`: mpirun, the engine's proxy, the OpenAI server)."""
+    workers: WorkersSpec = Field(default_factory=WorkersSpec)
+    """The worker pods (sshd; gpusPerNode ranks each)."""
+    frontend: RoleSpec = Field(default_factory=RoleSpec)
+    """The attach-frontend pods (`berth serve --attach`; spec.frontends of them per world)."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Gang scheduling: a world's pods are scheduled all together or not at all."""
     sleep: SleepSpec = Field(default_factory=SleepSpec)
     """Manual sleep switch. Sleep parks the engine (admission stops, in-flight requests drain) and
     frees device memory; the pods keep their GPUs allocated."""
@@ -603,6 +620,18 @@ class LLMDeploymentSpec(_Model):
                 raise ValueError(
                     f"engineArgs must not set {arg.split('=')[0]}: the operator sets it from the spec"
                 )
+        model_mount = [self.model.volume.mount_path] if self.model.volume else []
+        problems = [
+            problem
+            for role, settings in (
+                ("launcher", self.launcher),
+                ("worker", self.workers),
+                ("frontend", self.frontend),
+            )
+            for problem in template_problems(role, settings.template, model_mount)
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
         names = [schedule.name for schedule in self.sleep_schedules]
         if len(names) != len(set(names)):
             raise ValueError("sleepSchedules names must be unique")

@@ -137,6 +137,19 @@ class Conflict(_Status):
     """The world that needs it (absent: the whole deployment needs it)."""
 
 
+class WorldScheduling(_Status):
+    """Whether all of a world's pods got nodes (operator/gang.py)."""
+
+    waiting_since: str | None = None
+    """Since when some pod of the world waits for a node."""
+    message: str | None = None
+    """Which pods wait, in the scheduler's words (e.g. 0/3 nodes are available: ...)."""
+    attempts: int | None = None
+    """Times the world was released for lack of room (not restarts: no restart budget spent)."""
+    retry_at: str | None = None
+    """When a released world tries to be scheduled again (back-off with jitter)."""
+
+
 class WorldStatus(_Status):
     """The state of one world."""
 
@@ -144,8 +157,9 @@ class WorldStatus(_Status):
     """World number (0-based); part of its children's names."""
     phase: str | None = None
     """Pending, Starting, Ready, NotReady, Sleeping, Waking, Unreachable, Restarting, BackingOff,
-    Failed, Blocked (a child conflicts or is refused), or Retiring (beyond replicas: draining
-    before removal)."""
+    Failed, Blocked (a child conflicts or is refused), Unschedulable (not all its pods found
+    nodes in time: released, holding none, until scheduling.retryAt), or Retiring (beyond
+    replicas: draining before removal)."""
     message: str | None = None
     """Why the world is in its phase."""
     ready: bool | None = None
@@ -190,6 +204,8 @@ class WorldStatus(_Status):
     tier: Literal["awake", "asleep"] | None = None
     """With spec.autoscaling: awake, or asleep for idleness (released worlds have no entry; see
     status.autoscaling)."""
+    scheduling: WorldScheduling | None = None
+    """Its pods' scheduling, while some wait for nodes or the world was released for lack of room."""
 
 
 class RolloutStep(_Status):

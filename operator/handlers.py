@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import kopf
 
-from berth.operator import autoscale, health, naming, reconcile, render
+from berth.operator import autoscale, gang, health, naming, reconcile, render
 from berth.operator.child_problems import ChildProblems
 from berth.operator.crd_model import GROUP, PLURAL, VERSION, InvalidSpec, parse_spec
 from berth.operator.kube import Kube, KubeError
@@ -107,7 +107,12 @@ async def reconcile_children(
     try:
         # A fresh object has nothing to prune; updates and resumes may (scale down, frontends 0).
         outcome = await reconcile.reconcile(
-            memo.kube, owner, parsed, prune_extra=reason != kopf.Reason.CREATE, drift=memo.drift
+            memo.kube,
+            owner,
+            parsed,
+            prune_extra=reason != kopf.Reason.CREATE,
+            drift=memo.drift,
+            released=gang.released_worlds((body.get("status") or {}).get("worlds") or [], utc_now()),
         )
     except KubeError as exc:
         # Refusals (403, 422) and conflicts are in the outcome; this is the API being unwell.

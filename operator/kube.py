@@ -29,6 +29,9 @@ PLURALS = {
     "Deployment": "deployments",
     "NetworkPolicy": "networkpolicies",
     "LLMDeployment": "llmdeployments",
+    "PodGroup": "podgroups",  # scheduler-plugins' and Volcano's (operator/gang.py)
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "Node": "nodes",
 }
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -192,9 +195,18 @@ class Kube:
         query = {"fieldManager": FIELD_MANAGER, "force": "true"}
         return await self.request("PATCH", path, obj, query=query, content_type=APPLY_PATCH)
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        """Delete with background propagation (dependents go through the garbage collector)."""
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+    async def delete(
+        self, api_version: str, kind: str, namespace: str, name: str, grace_seconds: int | None = None
+    ) -> bool:
+        """Delete with background propagation (dependents go through the garbage collector);
+        `grace_seconds` overrides a pod's termination grace period (0: at once, no kubelet asked)."""
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "propagationPolicy": "Background",
+        }
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
         try:
             await self.request("DELETE", resource_path(api_version, kind, namespace, name), body)
         except NotFound:

@@ -10,6 +10,33 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from typing import Annotated
+
+from pydantic import WithJsonSchema
+
+# Kubernetes' own quantity grammar (k8s.io/apimachinery resource.Quantity).
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+# An int or a string in Kubernetes' quantity grammar, as the API server's own types declare it.
+Quantity = Annotated[
+    str | int | float,
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "pattern": QUANTITY_PATTERN,
+        }
+    ),
+]
+
+
+def check_quantity(value: str | int | float, where: str) -> None:
+    if isinstance(value, bool) or not re.match(QUANTITY_PATTERN, str(value)):
+        raise ValueError(f"{where}: {value!r} is not a Kubernetes quantity (e.g. 500m, 2, 16Gi)")
+
 
 _QUANTITY = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$")
 _BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}

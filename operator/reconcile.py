@@ -265,6 +265,18 @@ async def keep(
     return result
 
 
+async def _existing(kube: Kube, desired: Mapping[str, Any], outcome: Outcome) -> None:
+    """`ensure` without the create: an object in the way is still found and reported."""
+    meta = desired["metadata"]
+    try:
+        live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    except KubeError as exc:
+        _refused(exc, "get", desired, outcome)
+        return
+    if live is not None:
+        await keep(kube, desired, live, outcome)
+
+
 def _refused(exc: KubeError, verb: str, desired: Mapping[str, Any], outcome: Outcome) -> None:
     if exc.status not in REFUSED:
         raise exc
@@ -349,14 +361,20 @@ def retiring_worlds(spec: LLMDeploymentSpec, launchers: list[dict[str, Any]]) ->
     return found
 
 
-async def prune(kube: Kube, owner: render.Owner, spec: LLMDeploymentSpec, outcome: Outcome) -> None:
+async def prune(
+    kube: Kube,
+    owner: render.Owner,
+    spec: LLMDeploymentSpec,
+    outcome: Outcome,
+    released: frozenset[int] = frozenset(),
+) -> None:
     """Delete the children of worlds beyond `replicas` and frontends no longer wanted.
 
     A world beyond `replicas` keeps everything while its launcher pod stands: the health
     daemon first drains its engine (sleep, mode drain) and deletes the launcher, so requests
     in flight there finish; the rest of the world goes on the next prune.
     """
-    wanted = {_ref(child) for child in render.children(owner, spec)}
+    wanted = {_ref(child) for child in render.children(owner, spec, released)}
     selector = {naming.MANAGED_BY: "berth", naming.DEPLOYMENT: owner.name}
     launchers = {naming.ROLE: "launcher"}
     live_launchers = [
@@ -396,6 +414,7 @@ async def reconcile(
     *,
     prune_extra: bool,
     drift: DriftMemory | None = None,
+    released: frozenset[int] = frozenset(),
 ) -> Outcome:
     """Secrets first (pods reference them), then every world's hostfile, headless Service and
     StatefulSet and the endpoint, then the launcher pods and frontends (their hostfile and
@@ -406,7 +425,7 @@ async def reconcile(
     2-world deployment took 26 sequential round trips)."""
     outcome = Outcome()
     secrets_usable = await ensure_secrets(kube, owner, outcome)
-    children = render.children(owner, spec)
+    children = render.children(owner, spec, released)  # released: worlds without pods (gang.py)
     # Every pod mounts the Secrets: none is made from a Secret that is not this deployment's.
     mounts_secrets = ("StatefulSet", "Pod", "Deployment")
     first = [
@@ -421,12 +440,22 @@ async def reconcile(
     held_up = {conflict.world for conflict in outcome.conflicts} | {
         refused.world for refused in outcome.refused if refused.verb == "create"
     }
+    # Without a gang scheduler a launcher waits for its workers' nodes: the health loop creates
+    # it then (gang.launcher_may_start), so its startup budget is not spent on scheduling.
+    launchers_later = spec.scheduling.gang == "none"
     second = [
         child
         for child in children
         if child["kind"] in ("Pod", "Deployment") and secrets_usable and _world(child) not in held_up
     ]
-    await asyncio.gather(*(ensure(kube, child, outcome, drift) for child in second))
+    await asyncio.gather(
+        *(
+            _existing(kube, child, outcome)
+            if child["kind"] == "Pod" and launchers_later
+            else ensure(kube, child, outcome, drift)
+            for child in second
+        )
+    )
     if prune_extra:
-        await prune(kube, owner, spec, outcome)
+        await prune(kube, owner, spec, outcome, released)
     return outcome

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from berth.engine.config import KV_CACHE_MEMORY_FRACTION_ENV
-from berth.operator import naming, network_policy
+from berth.operator import gang, naming, network_policy, pod_template
 from berth.operator.crd_model import API_VERSION, GPU_RESOURCE, KIND, LLMDeploymentSpec
 from berth.operator.credentials import SSHKeyPair, b64
 
@@ -202,17 +202,21 @@ def _http_probes(spec: LLMDeploymentSpec) -> dict[str, Any]:
     # Readiness follows the engine's admission (a parked engine leaves the Service); liveness
     # only says the HTTP process answers (the operator, not the kubelet, judges the engine).
     # The startup probe gives the model load `health.startupTimeoutSeconds` before liveness
-    # counts (a large model on a slow volume needs far more than the default).
+    # counts (a large model on a slow volume needs far more than the default). Each check may take
+    # 3 s, not the default 1: a busy engine's answer is late, not missing, and one late readiness
+    # answer would take a serving world out of the Service.
     startup_checks = -(-spec.health.startup_timeout_seconds // STARTUP_PROBE_PERIOD)
     return {
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": "http"},
             "periodSeconds": 5,
+            "timeoutSeconds": 3,
             "failureThreshold": 1,
         },
         "livenessProbe": {
             "httpGet": {"path": "/live", "port": "http"},
             "periodSeconds": 10,
+            "timeoutSeconds": 3,
             "failureThreshold": 3,
         },
         "startupProbe": {
@@ -223,9 +227,11 @@ def _http_probes(spec: LLMDeploymentSpec) -> dict[str, Any]:
     }
 
 
-def _placement(spec: LLMDeploymentSpec) -> dict[str, Any]:
+def _placement(spec: LLMDeploymentSpec, role: str) -> dict[str, Any]:
+    """The deprecated shared placement: its nodeSelector (the GPU nodes) places workers only, a
+    toleration only permits, so every role keeps them. The roles' templates add theirs."""
     placement: dict[str, Any] = {}
-    if spec.node_selector:
+    if spec.node_selector and role == "worker":
         placement["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         placement["tolerations"] = [toleration.as_dict() for toleration in spec.tolerations]
@@ -282,9 +288,8 @@ def headless_service(owner: Owner, world: int) -> dict[str, Any]:
 
 def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     model_volumes, model_mounts = _model_volumes(spec)
-    selector = naming.role_labels(owner.name, world, "worker")
     pod: dict[str, Any] = {
-        **_placement(spec),
+        **_placement(spec, "worker"),
         # sshd runs as root (it switches to the login user); the ranks it starts do not.
         "securityContext": _pod_security(as_root=True),
         "containers": [
@@ -308,19 +313,64 @@ def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
         ],
         "volumes": [_ssh_volume(owner), _shm_volume(), *model_volumes],
     }
-    if spec.nodes_per_world > 1:
-        # One worker pod per node: two ranks' pods on one node would share its GPUs' budget.
-        pod["affinity"] = {
-            "podAntiAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": [
-                    {"labelSelector": {"matchLabels": selector}, "topologyKey": "kubernetes.io/hostname"}
-                ]
-            }
+    affinity = worker_affinity(owner, spec, world)
+    if affinity:
+        pod["affinity"] = affinity
+    return pod_template.merge_spec(pod, spec.workers.template)
+
+
+def worker_affinity(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    """Packing and topology. A worker pod holds gpusPerNode ranks and requests that many GPUs, so
+    the scheduler's resource fit already keeps two pods off a node too small for both; nothing
+    spreads a world that one node can hold. Its pods prefer each other's node (ranks on one node
+    talk over NVLink), must share one `topologyKey` domain when one is set, and prefer domains
+    where no other world of the deployment runs."""
+    key = spec.workers.topology_key
+    if spec.nodes_per_world == 1 and not key:
+        return {}  # one pod: nothing to pack
+    own = {"labelSelector": {"matchLabels": naming.role_labels(owner.name, world, "worker")}}
+    affinity: dict[str, Any] = {
+        "podAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 100, "podAffinityTerm": {**own, "topologyKey": "kubernetes.io/hostname"}}
+            ]
         }
-    return pod
+    }
+    if key:
+        affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] = [
+            {**own, "topologyKey": key}
+        ]
+        others = {
+            "matchLabels": {naming.DEPLOYMENT: owner.name, naming.ROLE: "worker"},
+            "matchExpressions": [{"key": naming.WORLD, "operator": "NotIn", "values": [str(world)]}],
+        }
+        affinity["podAntiAffinity"] = {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 50, "podAffinityTerm": {"labelSelector": others, "topologyKey": key}}
+            ]
+        }
+    return affinity
 
 
-def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+def _gang_metadata(meta: dict[str, Any], owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
+    """Pod metadata with the world's gang membership (berth's: after the template's)."""
+    labels, annotations = gang.pod_metadata(spec, naming.world_name(owner.name, world))
+    if labels:
+        meta["labels"] = {**meta.get("labels", {}), **labels}
+    if annotations:
+        meta["annotations"] = {**meta.get("annotations", {}), **annotations}
+    return meta
+
+
+def pod_group(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any] | None:
+    name = naming.world_name(owner.name, world)
+    return gang.pod_group(_metadata(owner, name, naming.world_labels(owner.name, world)), spec, world)
+
+
+def worker_statefulset(
+    owner: Owner, spec: LLMDeploymentSpec, world: int, released: bool = False
+) -> dict[str, Any]:
+    """`released`: the world gave its pods back for lack of room (gang.py): no worker pod."""
     labels = naming.role_labels(owner.name, world, "worker")
     selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.WORLD, naming.ROLE)}
     pod_spec = worker_pod_spec(owner, spec, world)
@@ -330,7 +380,7 @@ def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dic
         "metadata": _metadata(owner, naming.world_name(owner.name, world), labels),
         "spec": {
             "serviceName": naming.world_name(owner.name, world),
-            "replicas": spec.nodes_per_world,
+            "replicas": 0 if released else spec.nodes_per_world,
             # All ranks start together; ordered start-up would only delay the world.
             "podManagementPolicy": "Parallel",
             # OnDelete: a template change must not roll ranks one by one under a running MPI
@@ -338,7 +388,15 @@ def worker_statefulset(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dic
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": labels, "annotations": {naming.SPEC_HASH: spec_hash(pod_spec)}},
+                "metadata": _gang_metadata(
+                    pod_template.merge_metadata(
+                        {"labels": labels, "annotations": {naming.SPEC_HASH: spec_hash(pod_spec)}},
+                        spec.workers.template,
+                    ),
+                    owner,
+                    spec,
+                    world,
+                ),
                 "spec": pod_spec,
             },
         },
@@ -383,7 +441,7 @@ def launcher_model(command: list[str]) -> tuple[str | None, str | None]:
 
 def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     model_volumes, model_mounts = _model_volumes(spec)
-    return {
+    pod = {
         # hostname + subdomain on the world's headless Service: frontends reach the launcher
         # at launcher.NAME-wI.NAMESPACE.svc whatever the pod's IP after a restart.
         "hostname": naming.LAUNCHER_HOSTNAME,
@@ -391,7 +449,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
         # Never: a launcher whose mpirun died cannot rejoin its world; the operator restarts
         # the whole world (launcher and workers together) instead.
         "restartPolicy": "Never",
-        **_placement(spec),
+        **_placement(spec, "launcher"),
         "securityContext": _pod_security(as_root=False),
         "containers": [
             {
@@ -425,6 +483,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
             *model_volumes,
         ],
     }
+    return pod_template.merge_spec(pod, spec.launcher.template)
 
 
 def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
@@ -432,11 +491,19 @@ def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str,
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _metadata(
+        "metadata": _gang_metadata(
+            pod_template.merge_metadata(
+                _metadata(
+                    owner,
+                    naming.launcher_pod_name(owner.name, world),
+                    naming.role_labels(owner.name, world, "launcher"),
+                    {naming.SPEC_HASH: spec_hash(pod_spec)},
+                ),
+                spec.launcher.template,
+            ),
             owner,
-            naming.launcher_pod_name(owner.name, world),
-            naming.role_labels(owner.name, world, "launcher"),
-            {naming.SPEC_HASH: spec_hash(pod_spec)},
+            spec,
+            world,
         ),
         "spec": pod_spec,
     }
@@ -458,6 +525,12 @@ def frontend_command(owner: Owner, world: int) -> list[str]:
 def frontend_deployment(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     labels = naming.role_labels(owner.name, world, "frontend")
     selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.WORLD, naming.ROLE)}
+    name = naming.frontend_name(owner.name, world)
+    pod = frontend_pod_spec(owner, spec, world)
+    return _non_root_deployment(owner, name, labels, selector, spec.frontends, pod, spec.frontend.template)
+
+
+def frontend_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     container = {
         "name": "frontend",
         "image": spec.image,
@@ -470,20 +543,31 @@ def frontend_deployment(owner: Owner, spec: LLMDeploymentSpec, world: int) -> di
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    name = naming.frontend_name(owner.name, world)
-    return _non_root_deployment(owner, spec, name, labels, selector, spec.frontends, container)
+    return _non_root_pod_spec(spec, "frontend", container, spec.frontend.template)
+
+
+def _non_root_pod_spec(
+    spec: LLMDeploymentSpec, role: str, container: dict[str, Any], template: pod_template.PodTemplate
+) -> dict[str, Any]:
+    """A pod that runs one container as the image's user, with the role's template merged in."""
+    pod = {
+        **_placement(spec, role),
+        "securityContext": _pod_security(as_root=False),
+        "containers": [container],
+    }
+    return pod_template.merge_spec(pod, template)
 
 
 def _non_root_deployment(
     owner: Owner,
-    spec: LLMDeploymentSpec,
     name: str,
     labels: dict[str, str],
     selector: dict[str, str],
     replicas: int,
-    container: dict[str, Any],
+    pod_spec: dict[str, Any],
+    template: pod_template.PodTemplate,
 ) -> dict[str, Any]:
-    """A Deployment of pods that run one container as the image's user, placed like the rest."""
+    """A Deployment of `pod_spec` pods (frontends, the activator)."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -492,25 +576,26 @@ def _non_root_deployment(
             "replicas": replicas,
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    **_placement(spec),
-                    "securityContext": _pod_security(as_root=False),
-                    "containers": [container],
-                },
+                "metadata": pod_template.merge_metadata({"labels": labels}, template),
+                "spec": pod_spec,
             },
         },
     }
 
 
-def world_children(owner: Owner, spec: LLMDeploymentSpec, world: int) -> list[dict[str, Any]]:
+def world_children(
+    owner: Owner, spec: LLMDeploymentSpec, world: int, released: bool = False
+) -> list[dict[str, Any]]:
     """Everything world `world` consists of, in creation order (the launcher pod last but one:
-    its hostfile and its workers' Service exist before mpirun looks for them)."""
+    its hostfile and its workers' Service exist before mpirun looks for them). A `released`
+    world (gang.py) has no launcher and no worker pod until it tries again."""
+    group = pod_group(owner, spec, world)
     children = [
         hostfile(owner, spec, world),
         headless_service(owner, world),
-        worker_statefulset(owner, spec, world),
-        launcher_pod(owner, spec, world),
+        *([group] if group else []),
+        worker_statefulset(owner, spec, world, released),
+        *([] if released else [launcher_pod(owner, spec, world)]),
     ]
     if spec.frontends:
         children.append(frontend_deployment(owner, spec, world))
@@ -553,9 +638,16 @@ def activator_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    return _non_root_deployment(
-        owner, spec, naming.activator_name(owner.name), labels, selector, 1, container
+    # Placed like the frontends (CPU pods with no engine): their template's pod fields, without
+    # the containers, init containers and volumes that are the frontend's own.
+    frontend = spec.frontend.template
+    template = frontend.model_copy(
+        update={
+            "spec": frontend.spec.model_copy(update={"containers": (), "init_containers": (), "volumes": ()})
+        }
     )
+    pod = _non_root_pod_spec(spec, "activator", container, template)
+    return _non_root_deployment(owner, naming.activator_name(owner.name), labels, selector, 1, pod, template)
 
 
 def endpoint_service(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
@@ -573,11 +665,13 @@ def endpoint_service(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
     }
 
 
-def children(owner: Owner, spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
+def children(
+    owner: Owner, spec: LLMDeploymentSpec, released: frozenset[int] = frozenset()
+) -> list[dict[str, Any]]:
     """Every child except the Secrets (those are generated once, not rendered from the spec)."""
     result: list[dict[str, Any]] = []
     for world in range(spec.replicas):
-        result += world_children(owner, spec, world)
+        result += world_children(owner, spec, world, world in released)
     result.append(endpoint_service(owner, spec))
     if spec.scales_to_zero:
         result.append(activator_deployment(owner, spec))

@@ -18,7 +18,19 @@ from typing import Any
 
 import httpx
 
-from berth.operator import conditions, engine_admin, naming, reconcile, render, rollout, schedule, worlds
+from berth.operator import (
+    conditions,
+    disruption,
+    engine_admin,
+    gang,
+    naming,
+    pod_template,
+    reconcile,
+    render,
+    rollout,
+    schedule,
+    worlds,
+)
 from berth.operator.autoscale import Autoscaler, Decision, WorldLoad, effective_spec
 from berth.operator.child_problems import ChildProblems, RefusedWrite, controlled_by, controller_of
 from berth.operator.crd_model import API_VERSION, KIND, InvalidSpec, LLMDeploymentSpec, parse_spec
@@ -86,6 +98,7 @@ class Supervisor:
         self.autoscaler = Autoscaler()
         # With an activator (a deployment that scales to zero): its demand wakes the next round.
         self.demand = DemandWatcher(http, wake or (lambda: None), logger)
+        self._scheduling_orders: dict[int, str] = {}  # world -> release | resume, this round (gang.py)
         # Conflicting objects and refused writes, shared with the reconcile handler.
         self.problems = problems if problems is not None else ChildProblems()
 
@@ -129,8 +142,18 @@ class Supervisor:
         # The reconcile handler has acted on this very generation (it sets observedGeneration).
         reconciled_now = (body.get("status") or {}).get("observedGeneration") == meta.get("generation")
         spec, scaled = await self._autoscale(owner, spec, previous_status, reconciled, now)
-        await self._resync(owner, spec, reconciled, now)
+        released = gang.released_worlds(previous_status.get("worlds") or [], now)
+        await self._resync(owner, spec, reconciled, now, released)
         pods = await self._own_pods(owner)
+        lost = await disruption.release_from_lost_nodes(self.kube, pods, now)
+        for pod_name in lost:
+            self.post_event(
+                "Warning",
+                "PodOnLostNode",
+                f"pod {pod_name} was terminating on a node that does not answer: deleted with grace period 0",
+            )
+        if lost:
+            pods = await self._own_pods(owner)
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         previous_worlds = {world.get("index"): world for world in previous_status.get("worlds") or []}
         token = await self._token(owner)
@@ -146,13 +169,18 @@ class Supervisor:
         statuses = []
         orders: dict[int, tuple[str, list[str]]] = {}  # world -> (replace | create, pods to delete)
         for index, (step, _, _) in zip(world_list, steps):
+            scheduling = self._scheduling_orders.pop(index, None)
             if step.restart is not None:
                 self._order_replacement(index, step, pods, orders)
             elif step.status.get("replacedPods"):
                 orders[index] = ("replace", step.status.pop("replacingNow"))
+            elif scheduling is not None:
+                orders[index] = (scheduling, [])  # release (no room for all its pods) or resume
             elif (
                 reconciled
+                and step.status.get("phase") != "Unschedulable"
                 and naming.launcher_pod_name(name, index) not in by_name
+                and gang.launcher_may_start(spec, self._world_pods(index, pods, "worker"))
                 and self._may_create_launcher(owner, index, now)
             ):
                 # Launchers are bare pods: this loop is their controller.
@@ -233,6 +261,7 @@ class Supervisor:
             rollout=rolling.memory,
             reconciled=reconciled_now,
         )
+        conds.append(pod_template.deprecation_condition(spec))  # a warning: nothing is refused
         ready = sum(1 for world in statuses if world.get("phase") == "Ready")
         self.metrics.set_world_phases(namespace, name, [world["phase"] for world in statuses])
         self.metrics.set_worlds(
@@ -265,6 +294,8 @@ class Supervisor:
         for index, (action, doomed_names) in sorted(orders.items()):
             if action == "replace":
                 await self._replace_world(owner, spec, index, doomed_names, now)
+            elif action in ("release", "resume"):
+                await self._release_world(owner, spec, index, action == "release", now)
             else:
                 await self._create_launcher(owner, spec, index, now)
         interval = float(spec.health.interval_seconds)
@@ -632,7 +663,12 @@ class Supervisor:
             self.transitions.start(index, "wakeup", "wake", call)
 
     async def _resync(
-        self, owner: render.Owner, spec: LLMDeploymentSpec, reconciled: bool, now: dt.datetime
+        self,
+        owner: render.Owner,
+        spec: LLMDeploymentSpec,
+        reconciled: bool,
+        now: dt.datetime,
+        released: frozenset[int] = frozenset(),
     ) -> None:
         """Every `resync_seconds`, the full reconcile: repairs drifted or deleted children.
 
@@ -648,7 +684,9 @@ class Supervisor:
         if not due and since < self.resync_seconds:
             return
         self._last_resync = now
-        outcome = await reconcile.reconcile(self.kube, owner, spec, prune_extra=True, drift=self.drift)
+        outcome = await reconcile.reconcile(
+            self.kube, owner, spec, prune_extra=True, drift=self.drift, released=released
+        )
         for event in outcome.events() + outcome.record(self.problems, now):
             self.post_event(*event)
 
@@ -709,6 +747,13 @@ class Supervisor:
                 self.metrics.probe_seconds.labels(result.status).observe(result.seconds)
                 self._polls[index] = result
         step = worlds.step(index, previous, view, result, now, spec, owner.name)
+        if step.restart is None:
+            judged = gang.judge(step.status, previous, launcher, workers, spec, owner.name, index, now)
+            step = worlds.WorldStep(
+                judged.status, None, step.events + ([judged.event] if judged.event else [])
+            )
+            if judged.order is not None:
+                self._scheduling_orders[index] = judged.order
         outdated = await self._changed_pod_spec(owner, spec, index, launcher, workers)
         if (
             outdated == "launcher"
@@ -729,13 +774,13 @@ class Supervisor:
         return step, None, outdated
 
     @staticmethod
-    def _world_pods(index: int, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The launcher and worker pods of one world that are not already going away."""
+    def _world_pods(index: int, pods: list[dict[str, Any]], *roles: str) -> list[dict[str, Any]]:
+        """The pods of one world (launcher and workers unless `roles` says) not already going away."""
         return [
             pod
             for pod in pods
             if pod["metadata"].get("labels", {}).get(naming.WORLD) == str(index)
-            and pod["metadata"].get("labels", {}).get(naming.ROLE) in ("launcher", "worker")
+            and pod["metadata"].get("labels", {}).get(naming.ROLE) in (roles or ("launcher", "worker"))
             and not pod["metadata"].get("deletionTimestamp")
         ]
 
@@ -803,7 +848,8 @@ class Supervisor:
         """Delete the launcher and every worker pod together, then start a new launcher.
 
         The StatefulSet brings the workers back under the same names (stable host names, so
-        the hostfile stays valid); the launcher is ours to recreate (once the old one is gone).
+        the hostfile stays valid); the launcher is ours to recreate (once the old one is gone,
+        and without a gang scheduler once the new workers have nodes).
         """
         for name in doomed:
             await self._write(
@@ -819,8 +865,25 @@ class Supervisor:
                 await reconcile.ensure(self.kube, sts, outcome, self.drift)
                 for event in outcome.events() + outcome.record_writes(self.problems, now):
                     self.post_event(*event)
-        if self._may_create_launcher(owner, index, now):
+        # Without a gang scheduler the next rounds create it, once the new workers have nodes.
+        if spec.scheduling.gang != "none" and self._may_create_launcher(owner, index, now):
             await self._create_launcher(owner, spec, index, now)
+
+    async def _release_world(
+        self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, release: bool, now: dt.datetime
+    ) -> None:
+        """Give back every pod of a world that could not be scheduled whole (its StatefulSet to 0,
+        its launcher deleted), or bring the world back when its retry time has come."""
+        outcome = reconcile.Outcome()
+        sts = render.worker_statefulset(owner, spec, index, released=release)
+        await reconcile.ensure(self.kube, sts, outcome, self.drift)
+        for event in outcome.events() + outcome.record_writes(self.problems, now):
+            self.post_event(*event)
+        if release:
+            name = naming.launcher_pod_name(owner.name, index)
+            await self._write(
+                index, f"Pod/{name}", "delete", now, self.kube.delete("v1", "Pod", owner.namespace, name)
+            )
 
     async def _create_launcher(
         self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, now: dt.datetime

@@ -21,6 +21,7 @@ from tests.support.kubelet import Kubelet
 from tests.support.pod_state import processes_in
 
 PODS = "/api/v1/namespaces/default/pods"
+WORK = {"name": "work", "mountPath": "/work"}
 
 
 def pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
@@ -189,6 +190,28 @@ async def test_phase_and_exit_codes_follow_the_processes(cluster: Cluster, kubel
             container={"terminationMessagePolicy": "FallbackToLogsOnError"},
         ),
         pod("crashes", ["sh", "-c", "sleep 0.2; exit 7"], restartPolicy="Always"),
+        # Init containers run one by one, to completion, before the pod's container.
+        pod(
+            "initialised",
+            ["cat", "/work/order"],
+            restartPolicy="Never",
+            volumes=[{"name": "work", "emptyDir": {}}],
+            initContainers=[
+                {
+                    "name": f"init-{n}",
+                    "command": ["sh", "-c", f"echo {n} >> /work/order"],
+                    "volumeMounts": [WORK],
+                }
+                for n in ("one", "two")
+            ],
+            container={"volumeMounts": [WORK]},
+        ),
+        pod(
+            "init-fails",
+            ["true"],
+            restartPolicy="Never",
+            initContainers=[{"name": "init", "command": ["sh", "-c", "exit 4"]}],
+        ),
     )
     await wait_for(lambda: status(cluster, "fails").get("phase") == "Failed", 30, "fails Failed")
     terminated = container_state(cluster, "fails")["state"]["terminated"]
@@ -204,6 +227,17 @@ async def test_phase_and_exit_codes_follow_the_processes(cluster: Cluster, kubel
     crashed = container_state(cluster, "crashes")
     assert status(cluster, "crashes")["phase"] == "Running"
     assert crashed["lastState"]["terminated"]["exitCode"] == 7
+    await wait_for(lambda: status(cluster, "initialised").get("phase") == "Succeeded", 30, "initialised done")
+    assert log_of(kubelet, "initialised").split() == ["one", "two"]
+    assert [
+        c["state"]["terminated"]["exitCode"] for c in status(cluster, "initialised")["initContainerStatuses"]
+    ] == [0, 0]
+    await wait_for(lambda: status(cluster, "init-fails").get("phase") == "Failed", 30, "init-fails Failed")
+    (init,) = status(cluster, "init-fails")["initContainerStatuses"]
+    assert init["state"]["terminated"]["exitCode"] == 4
+    assert [e.container for e in kubelet.executions if e.pod == "init-fails"] == ["init"]  # never started
+    conditions = {c["type"]: c["status"] for c in status(cluster, "init-fails")["conditions"]}
+    assert conditions["Initialized"] == "False"
 
 
 async def test_probes_drive_ready_and_kill(cluster: Cluster, kubelet: Kubelet, tmp_path: Path) -> None:

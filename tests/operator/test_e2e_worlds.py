@@ -13,13 +13,16 @@ without being restarted. Deleting the LLMDeployment leaves no process, namespace
 
 The renderer-coverage test runs every command the renderer emits (the launcher's `berth launch
 ... --attach-port`, the workers' sshd, the frontend's `berth serve --attach` to the launcher)
-and says which did not become ready in the kubelet.
+and says which did not become ready in the kubelet; each role carries its own pod template (an
+init container writing into a template volume, env from the service account and an annotation),
+and each running container shows its own role's template and no other's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -255,11 +258,55 @@ async def test_a_stopped_rank_in_a_worker_pod_stalls_its_world_and_the_operator_
         assert restarted.startswith("world 0 restarted (Stalled): EngineStalledError: stalled"), restarted
 
 
+def role_template(role: str) -> dict:
+    """A pod template whose every trace in a running pod names `role`."""
+    return {
+        "metadata": {"annotations": {"example.com/note": f"{role}-note"}},
+        "spec": {
+            "serviceAccountName": f"{role}-account",
+            "imagePullSecrets": [{"name": f"{role}-pull"}],
+            **({"nodeSelector": {"example.com/gpu": "true"}} if role == "worker" else {}),
+            "volumes": [{"name": "mark", "emptyDir": {}}],
+            "initContainers": [
+                {
+                    "name": "mark",
+                    "image": "berth:test",
+                    "command": ["sh", "-c", f"echo {role} > /mark/role"],
+                    "volumeMounts": [{"name": "mark", "mountPath": "/mark"}],
+                }
+            ],
+            "containers": [
+                {
+                    "name": role,
+                    "env": [
+                        {"name": "TEMPLATE_ROLE", "value": role},
+                        {
+                            "name": "POD_ACCOUNT",
+                            "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}},
+                        },
+                        {
+                            "name": "POD_NOTE",
+                            "valueFrom": {
+                                "fieldRef": {"fieldPath": "metadata.annotations['example.com/note']"}
+                            },
+                        },
+                    ],
+                    "volumeMounts": [{"name": "mark", "mountPath": "/mark", "readOnly": True}],
+                    "resources": {"requests": {"example.com/rdma": "1"}, "limits": {"example.com/rdma": "1"}},
+                }
+            ],
+        },
+    }
+
+
 async def test_every_command_the_renderer_emits_runs_and_becomes_ready(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
     manifest = e2e.tiny_cpu_example(models, tensorParallelSize=2, frontends=1, health=HEALTH)
     manifest["spec"]["model"]["revision"] = "2026-12-02"  # every optional flag in the command too
+    # Each role's pod template: an init container, a volume, env, an annotation, a service account.
+    for field, role in (("launcher", "launcher"), ("workers", "worker"), ("frontend", "frontend")):
+        manifest["spec"][field] = {"template": role_template(role)}
     commands = e2e.rendered_commands(manifest)
     assert set(commands) == {"launcher", "worker", "frontend"}
     assert "--model-revision" in commands["launcher"]
@@ -293,6 +340,27 @@ async def test_every_command_the_renderer_emits_runs_and_becomes_ready(
             report.append(f"{role}: {shlex.join(argv)}\n    {outcome}")
         await llmd.wait(lambda: llmd.world().get("modelRevisionLabel"), 30, "the engine's revision label")
         label = llmd.world()["modelRevisionLabel"]
+        for role in commands:
+            # The running container of each role's pod carries its own role's template, no other's.
+            main = next(e for e in llmd.executions(role) if e.container == role and e.exit_code is None)
+            init = [e for e in llmd.executions(role) if e.pod == main.pod and e.container == "mark"]
+            assert [e.exit_code for e in init] == [0], f"{role}: the init container ran once, before the pod"
+            environ = psutil.Process(main.pid).environ()
+            if role == "worker":
+                # sshd writes its process title over its environment: read what it was started with.
+                runtime = kubelet.runtime(main.pod)
+                environ = json.loads((runtime.root / "containers" / main.log.stem / "plan.json").read_text())[
+                    "env"
+                ]
+            assert environ["TEMPLATE_ROLE"] == role
+            assert environ["POD_ACCOUNT"] == f"{role}-account" and environ["POD_NOTE"] == f"{role}-note"
+            # The init container wrote into the template's volume; the main container mounts it.
+            assert Path(f"/proc/{main.pid}/root/mark/role").read_text().strip() == role
+            pod = llmd.pod(main.pod)
+            assert pod["spec"]["imagePullSecrets"] == [{"name": f"{role}-pull"}]
+            assert pod["spec"]["containers"][0]["resources"]["limits"]["example.com/rdma"] == "1"
+        assert llmd.pod("tiny-w0-0")["spec"]["nodeSelector"] == {"example.com/gpu": "true"}
+        assert "nodeSelector" not in llmd.pod("tiny-w0-launcher")["spec"]
     print("\n".join(report))
     assert all(line.endswith("ran and became ready") for line in report), "\n" + "\n".join(report)
     assert label == "2026-12-02"  # `berth launch --model-revision`, as the operator reads it back

@@ -69,6 +69,8 @@ async def test_fields_removed_from_the_spec_leave_the_children_and_other_manager
             15,
             "the Service annotation removed",
         )
+        # The launcher comes once its workers have nodes (the health loop creates it).
+        await wait_for(lambda: cluster.get("v1/pods", "llama-w0-launcher"), 15, "the launcher")
     assert pod_spec()["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod_spec()["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}

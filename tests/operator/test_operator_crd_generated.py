@@ -17,7 +17,14 @@ from berth.operator.crd import render_yaml
 from berth.operator.crd_status import LLMDeploymentStatus
 from tests.support import structural
 from tests.support.cluster import Cluster
-from tests.support.full_llmd import STATUS, document_paths, full_object, full_objects, model_paths
+from tests.support.full_llmd import (
+    STATUS,
+    document_paths,
+    full_object,
+    full_objects,
+    model_paths,
+    with_refused_fields,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "llmdeployment.yaml"
@@ -42,7 +49,8 @@ def test_the_committed_crd_is_the_generated_one() -> None:
 
 def test_the_full_object_sets_every_field_of_the_models() -> None:
     # The round trip below proves something only if the document it sends uses every field.
-    missing = set(model_paths()) - set().union(*(document_paths(doc) for doc in full_objects()))
+    documents = [*full_objects(), with_refused_fields()]
+    missing = set(model_paths()) - set().union(*(document_paths(doc) for doc in documents))
     assert not missing, f"tests/support/full_llmd.py does not set {sorted(missing)}"
     LLMDeploymentStatus.model_validate(STATUS)  # and it is a status the operator could write
 
@@ -106,7 +114,7 @@ def test_removing_any_field_from_the_schema_fails_the_round_trip(path: tuple[str
     # none can go missing without the round trip above noticing.
     schema = without(SCHEMA, path)
     lost = []
-    for document in full_objects():
+    for document in [*full_objects(), with_refused_fields()]:
         kept = copy.deepcopy(document)
         structural.prune(schema, kept, root=True)
         lost.append(kept != document)

@@ -157,6 +157,11 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "tensorParallelSize must be a multiple of gpusPerNode (a world is tensorParallelSize / gpusPerNode "
         "worker pods with gpusPerNode GPUs each)",
     ),
+    (
+        "a template overriding the engine's command",
+        with_spec(launcher={"template": {"spec": {"containers": [{"name": "launcher", "command": ["sh"]}]}}}),
+        "a pod template may not set a container's command, args, image, ports",
+    ),
     ("quantity not a quantity", with_spec(resources={"limits": {"memory": "lots"}}), "'lots' does not match"),
     (
         "gpus in resources",
@@ -291,7 +296,7 @@ def test_bad_documents_are_rejected_with_the_expected_message(
 
 def test_every_cel_rule_compiles_and_has_a_message() -> None:
     rules = list(rule_sites(SCHEMA))
-    assert len(rules) == 13
+    assert len(rules) == 16  # the container-template rule once per role
     for _, rule in rules:
         cel_rules.program(rule["rule"])  # raises RuleError when cel-python cannot compile it
         assert rule.get("message"), f"rule without a message: {rule['rule']}"

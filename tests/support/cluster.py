@@ -275,6 +275,9 @@ class ClusterSim:
     interval: float = 0.05
     # False when tests/support/kubelet.py runs the pods for real.
     fake_kubelet: bool = True
+    # tests/support/scheduler.py: nodes and a scheduler; the stand-in kubelet then runs only
+    # bound pods (without one, every pod runs at once, as on a single node).
+    scheduler: Any = None
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(10))
     _running_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod
     failed_creates: list[str] = field(default_factory=list)  # what the API refused, as the Events say
@@ -403,9 +406,28 @@ class ClusterSim:
             pod = self._running_pods.pop(uid)
             if self.on_pod_stop is not None:
                 await self.on_pod_stop(pod)
+        lost = self.scheduler.lost_nodes() if self.scheduler is not None else set()
         for uid, pod in live.items():
-            if uid in self._running_pods or (pod.get("status") or {}).get("phase"):
+            meta = pod["metadata"]
+            if pod["spec"].get("nodeName") in lost:
+                # The node went away with its processes; its status stays what it last said.
+                if uid in self._running_pods and self.on_pod_stop is not None:
+                    await self.on_pod_stop(self._running_pods.pop(uid))
                 continue
+            if meta.get("deletionTimestamp") and pod["spec"].get("nodeName"):
+                # A bound pod's deletion is graceful: the node's kubelet confirms it once stopped.
+                with contextlib.suppress(AssertionError):
+                    await c.api(
+                        "DELETE",
+                        f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                        {"gracePeriodSeconds": 0},
+                        "application/json",
+                    )
+                continue
+            if uid in self._running_pods or (pod.get("status") or {}).get("phase") not in (None, "Pending"):
+                continue
+            if self.scheduler is not None and not pod["spec"].get("nodeName"):
+                continue  # not bound to a node yet
             if self.on_pod_start is not None:
                 await self.on_pod_start(pod)
             self._running_pods[uid] = pod  # from here its stop hook runs once it is gone
@@ -491,6 +513,8 @@ class ClusterSim:
         await self.garbage_collector()
         await self.statefulset_controller()
         await self.deployment_controller()
+        if self.scheduler is not None:
+            await self.scheduler.run_once()
         if self.fake_kubelet:
             await self.kubelet()
 

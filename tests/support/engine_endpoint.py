@@ -161,6 +161,10 @@ def pod_admin_token(pod: Mapping[str, Any], read_secret: SecretReader) -> str | 
     return None
 
 
+# TEST-NET-1 (RFC 5737): an address where nothing ever answers.
+UNANSWERED_ADDRESS = ("192.0.2.1", 8000)
+
+
 @dataclass
 class EngineFleet:
     """One server per launcher pod: the kubelet hook starts it when the pod "runs", stops it when
@@ -176,6 +180,7 @@ class EngineFleet:
     _reapers: set[asyncio.Task[None]] = field(default_factory=set)
     started: list[str] = field(default_factory=list)  # pod names, in start order
     _names: dict[str, str] = field(default_factory=dict)  # launcher pod uid -> pod name
+    _stopped: set[str] = field(default_factory=set)  # launcher pod uids whose server was stopped
 
     @staticmethod
     def is_launcher(pod: Mapping[str, Any]) -> bool:
@@ -201,6 +206,7 @@ class EngineFleet:
         starting other pods, as a real node's does. `stop_all` waits for every one of them."""
         endpoint = self.endpoints.pop(pod["metadata"]["uid"], None)
         if endpoint is not None:
+            self._stopped.add(pod["metadata"]["uid"])
             self.stopping.append(endpoint)
             reaper = asyncio.ensure_future(endpoint.stop())
             self._reapers.add(reaper)
@@ -215,6 +221,10 @@ class EngineFleet:
     def resolve(self, pod: Mapping[str, Any]) -> Address | None:
         """The operator's address resolver in tests: launcher pod -> its server on 127.0.0.1."""
         endpoint = self.endpoints.get(pod["metadata"]["uid"])
+        if endpoint is None and pod["metadata"]["uid"] in self._stopped:
+            # A pod whose processes are gone while the API still lists it (its node was lost):
+            # its IP stays in its status, and nothing answers there any more.
+            return UNANSWERED_ADDRESS
         return endpoint.address if endpoint is not None else None
 
     def for_pod(self, name: str) -> EngineEndpoint:

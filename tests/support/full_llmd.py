@@ -12,6 +12,37 @@ from berth.operator.crd import LLMDeploymentObject
 
 TIME = "2026-12-05T10:00:00.000000Z"
 
+
+def template(container: str) -> dict[str, Any]:
+    """A pod template with every field set, for one role's container."""
+    return {
+        "metadata": {"labels": {"team": "ml"}, "annotations": {"k8s.v1.cni.cncf.io/networks": "ib0"}},
+        "spec": {
+            "nodeSelector": {"pool": "gpu"},
+            "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+            "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+            "priorityClassName": "inference",
+            "schedulerName": "default-scheduler",
+            "serviceAccountName": "llm",
+            "imagePullSecrets": [{"name": "registry"}],
+            "initContainers": [{"name": "warm", "image": "busybox", "command": ["true"]}],
+            "volumes": [{"name": "cache", "emptyDir": {}}],
+            "securityContext": {"supplementalGroups": [2000]},
+            "terminationGracePeriodSeconds": 400,
+            "containers": [
+                {
+                    "name": container,
+                    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                    "envFrom": [{"configMapRef": {"name": "nccl"}}],
+                    "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+                    "resources": {"limits": {"rdma/ib": "1"}},
+                    "securityContext": {"readOnlyRootFilesystem": True},
+                }
+            ],
+        },
+    }
+
+
 SPEC: dict[str, Any] = {
     "model": {
         "path": "/models/llama/v2",
@@ -42,6 +73,10 @@ SPEC: dict[str, Any] = {
             "tolerationSeconds": 60,
         }
     ],
+    "launcher": {"template": template("launcher")},
+    "workers": {"template": template("worker"), "topologyKey": "nvidia.com/gpu.clique"},
+    "frontend": {"template": template("frontend")},
+    "scheduling": {"gang": "kueue", "timeoutSeconds": 120, "queueName": "gpus"},
     "sleep": {"sleeping": False, "level": 2},
     "sleepSchedules": [
         {"name": "night", "cron": "0 22 * * 1-5", "timezone": "Europe/Berlin", "action": "Sleep", "level": 1}
@@ -137,6 +172,12 @@ STATUS: dict[str, Any] = {
             "probeFailures": 0,
             "replacedPods": ["0a2f"],
             "members": {"llama-w0-launcher": "0a2f/0"},
+            "scheduling": {
+                "waitingSince": TIME,
+                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                "attempts": 1,
+                "retryAt": TIME,
+            },
             "modelRevision": "/models/llama/v2@sha256:abc",
             "modelRevisionLabel": "2026-12-05",
             "sleepLevel": 0,
@@ -199,6 +240,24 @@ def full_objects() -> list[dict[str, Any]]:
         variant["spec"]["model"]["volume"] = {"mountPath": "/models", **source}
         variants.append(variant)
     return variants
+
+
+def with_refused_fields() -> dict[str, Any]:
+    """The full object with the container fields a template may not set (a CEL rule refuses them,
+    so no round trip carries it; the schema must still keep them for the rule to see them)."""
+    document = full_object("llama-refused")
+    for role in ("launcher", "workers", "frontend"):
+        container = document["spec"][role]["template"]["spec"]["containers"][0]
+        container.update(
+            command=["sh"],
+            args=["-c", "true"],
+            image="other",
+            ports=[{"containerPort": 9000}],
+            readinessProbe={"exec": {"command": ["true"]}},
+            livenessProbe={"exec": {"command": ["true"]}},
+            startupProbe={"exec": {"command": ["true"]}},
+        )
+    return document
 
 
 def model_paths() -> Iterator[str]:

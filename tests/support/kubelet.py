@@ -251,6 +251,9 @@ class Kubelet:
                     pod=pod,
                     root=self.root / f"{meta['namespace']}_{meta['name']}_{uid[:8]}",
                     containers=[ContainerState(spec) for spec in pod["spec"].get("containers", [])],
+                    init_containers=[
+                        ContainerState(spec) for spec in pod["spec"].get("initContainers") or []
+                    ],
                 )
                 self.pods[uid] = runtime
                 runtime.task = asyncio.create_task(self._run_pod(runtime))
@@ -271,6 +274,9 @@ class Kubelet:
         status_task = asyncio.create_task(self._report_status(runtime))
         try:
             await self._start_pod(runtime)
+            if not await self._run_init_containers(runtime):
+                await runtime.deletion.wait()
+                return
             runners = [asyncio.create_task(self._run_container(runtime, c)) for c in runtime.containers]
             await asyncio.wait(
                 [*runners, asyncio.create_task(runtime.deletion.wait())], return_when=asyncio.FIRST_COMPLETED
@@ -289,7 +295,7 @@ class Kubelet:
             self.problems.append(f"pod {runtime.namespace}/{runtime.name}: the kubelet failed: {error!r}")
             await runtime.deletion.wait()
         finally:
-            for container in runtime.containers:
+            for container in [*runtime.init_containers, *runtime.containers]:
                 await self._end_container(container)
             if runtime.interface is not None and self.network is not None:
                 await asyncio.to_thread(self.network.remove_pod, runtime.interface.netns)
@@ -310,7 +316,7 @@ class Kubelet:
 
     async def _start_pod(self, runtime: PodRuntime) -> None:
         spec = runtime.spec
-        unsupported = [key for key in ("initContainers", "ephemeralContainers") if spec.get(key)]
+        unsupported = ["ephemeralContainers"] if spec.get("ephemeralContainers") else []
         if spec.get("hostNetwork") or spec.get("hostPID"):
             unsupported.append("hostNetwork/hostPID")
         if unsupported:
@@ -453,7 +459,7 @@ class Kubelet:
         stamp = now()
         conditions = [
             {"type": "PodScheduled", "status": "True"},
-            {"type": "Initialized", "status": "True"},
+            {"type": "Initialized", "status": str(runtime.initialized or not runtime.init_containers)},
             {"type": "ContainersReady", "status": str(ready)},
             {"type": "Ready", "status": str(ready)},
         ]
@@ -465,6 +471,7 @@ class Kubelet:
             "startTime": runtime.started_at,
             "conditions": conditions,
             "containerStatuses": [c.status() for c in containers],
+            "initContainerStatuses": [c.status() for c in runtime.init_containers],
             "reason": None,
             "message": None,
         }
@@ -819,6 +826,37 @@ class Kubelet:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(runtime.deletion.wait(), delay)
             container.restart_count += 1
+
+    async def _run_init_containers(self, runtime: PodRuntime) -> bool:
+        """Each init container to completion, in order, before the pod's containers start (a
+        failed one is run again with the real back-off, or fails the pod under restartPolicy
+        Never). False when the pod will not start."""
+        retry_failed = runtime.spec.get("restartPolicy", "Always") != "Never"
+        for container in runtime.init_containers:
+            while not runtime.deletion.is_set():
+                await self._start_container(runtime, container)
+                assert container.process is not None and container.execution is not None
+                code = await container.process.wait()
+                await self._end_container(container)
+                exit_code = code if code >= 0 else 128 - code
+                container.execution.exit_code = exit_code
+                container.state = {
+                    "terminated": {
+                        "exitCode": exit_code,
+                        "reason": "Completed" if exit_code == 0 else "Error",
+                    }
+                }
+                if exit_code == 0:
+                    break
+                if not retry_failed:
+                    runtime.phase = "Failed"
+                    return False
+                delay = min(BACKOFF_SECONDS * 2**container.restart_count, MAX_BACKOFF_SECONDS)
+                container.restart_count += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(runtime.deletion.wait(), delay)
+        runtime.initialized = not runtime.deletion.is_set()
+        return runtime.initialized
 
     async def _end_container(self, container: ContainerState) -> None:
         """Kill what is left of a container, wait until it is gone, then let its namespace go."""

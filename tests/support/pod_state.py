@@ -158,6 +158,8 @@ class PodRuntime:
     root: Path
     interface: pod_network.PodInterface | None = None
     containers: list[ContainerState] = field(default_factory=list)
+    init_containers: list[ContainerState] = field(default_factory=list)  # run one by one, first
+    initialized: bool = False
     phase: str = "Pending"
     started_at: str = field(default_factory=now)
     waiting: tuple[str, str] | None = None  # pod-level (reason, message) while it cannot start
