@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from berth.operator import naming, render  # noqa: E402
 from berth.operator.crd_model import parse_spec  # noqa: E402
 from tests.support.cluster import Cluster, ClusterSim, running_cluster  # noqa: E402
 from tests.support.operator_runner import running_operator  # noqa: E402
+from tests.support.rbac import attributes  # noqa: E402
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
 LLMD_PATH = "/apis/berth.dev/v1alpha1/namespaces/default/llmdeployments"
@@ -51,7 +53,10 @@ RESOURCES = {
     "Pod": "v1/pods",
     "Deployment": "apps/v1/deployments",
     "Secret": "v1/secrets",
+    "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
+    "PodGroup": "scheduling.x-k8s.io/v1alpha1/podgroups",
 }
+OPERATOR_AGENTS = ("kopf/", "berth-operator")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -77,6 +82,18 @@ def expected_children(names: list[str], spec: dict[str, Any]) -> set[tuple[str, 
             for secret in (naming.engine_key_secret, naming.admin_token_secret, naming.ssh_secret)
         }
     return wanted
+
+
+def operator_requests(cluster: Cluster) -> Counter[str]:
+    """The operator's API requests so far, by verb and resource (the emulator keeps them all)."""
+    counts: Counter[str] = Counter()
+    for request in list(cluster.emulator):
+        if not request.headers.get("User-Agent", "").startswith(OPERATOR_AGENTS):
+            continue
+        wanted = attributes(request)
+        if wanted is not None:
+            counts[f"{wanted.verb} {wanted.resource}"] += 1
+    return counts
 
 
 def cpu_of(pid: int) -> float:
@@ -147,10 +164,13 @@ def on_new_spec(cluster: Cluster, names: list[str]) -> bool:
     return True
 
 
-async def bench(count: int, mode: str) -> None:
+async def bench(count: int, mode: str, steady: float) -> None:
     example = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     names = [f"bench-{index:03d}" for index in range(count)]
     wanted = expected_children(names, example["spec"])
+    unknown = {kind for kind, _ in wanted} - RESOURCES.keys()
+    if unknown:  # a child this bench would wait for and never see
+        raise SystemExit(f"bench_operator_scale: add {sorted(unknown)} to RESOURCES")
 
     def document(name: str) -> dict[str, Any]:
         doc = copy.deepcopy(example)
@@ -190,6 +210,11 @@ async def bench(count: int, mode: str) -> None:
                 await asyncio.gather(*(cluster.api("PATCH", f"{LLMD_PATH}/{name}", change) for name in names))
                 rolled_at = await until(lambda: on_new_spec(cluster, names), 600, rollout_started)
                 cpu_rolled = (own_cpu(), cpu_of(pid) if pid else 0.0)
+                # Steady state: what the operator asks of the API server while nothing changes
+                # (its engine polls go to the launchers, not to the API server).
+                requests_before = operator_requests(cluster)
+                await asyncio.sleep(steady)
+                per_minute = operator_requests(cluster) - requests_before
                 # Measured. Stopping kopf cancels 100 daemons mid-poll: expected, not worth warnings.
                 logging.getLogger("kopf").setLevel(logging.CRITICAL)
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -217,16 +242,23 @@ async def bench(count: int, mode: str) -> None:
         f"rollout (a spec change on all {count}, 2 worlds each, none Ready: each replaced at once): every "
         f"world on the new spec after {when(rolled_at)}; {split(cpu_after, cpu_rolled)}"
     )
+    scale = 60.0 / steady / count
+    top = ", ".join(f"{what} {n * scale:.1f}" for what, n in per_minute.most_common(6))
+    print(
+        f"steady state ({steady:.0f} s, nothing changing): {sum(per_minute.values()) * scale:.1f} API "
+        f"requests per deployment per minute ({top})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--operator", choices=("process", "in-process"), default="process")
+    parser.add_argument("--steady", type=float, default=60.0, help="seconds of steady state measured")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kopf").setLevel(logging.WARNING)
-    asyncio.run(bench(args.count, args.operator))
+    asyncio.run(bench(args.count, args.operator, args.steady))
 
 
 if __name__ == "__main__":
