@@ -40,6 +40,7 @@ from berth.operator.health import AddressResolver, EngineLoad, Probe, base_url, 
 from berth.operator.kube import Conflict, Kube, KubeError
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import RestartPolicy, format_time, parse_time
+from berth.operator.watched import WatchedChildren
 
 SETTLED_PHASES = ("Ready", "Failed", "Sleeping")
 FAST_INTERVAL = 2.0
@@ -76,8 +77,11 @@ class Supervisor:
         clock: Clock = utc_now,
         wake: Callable[[], None] | None = None,
         problems: ChildProblems | None = None,
+        children: WatchedChildren | None = None,
     ) -> None:
         self.kube = kube
+        # Pods and StatefulSets from the watches (None: listed from the API server each round).
+        self.children = children
         self.http = http
         self.resolver = resolver
         self.metrics = metrics
@@ -152,8 +156,8 @@ class Supervisor:
                 "PodOnLostNode",
                 f"pod {pod_name} was terminating on a node that does not answer: deleted with grace period 0",
             )
-        if lost:
-            pods = await self._own_pods(owner)
+        if lost:  # gone now, whatever the watches have delivered yet
+            pods = [pod for pod in pods if pod["metadata"]["name"] not in lost]
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         previous_worlds = {world.get("index"): world for world in previous_status.get("worlds") or []}
         token = await self._token(owner)
@@ -371,11 +375,14 @@ class Supervisor:
     ) -> None:
         """The activator learns which worlds serve (it forwards its held requests there) and why
         a wake failed (each held request gets that error)."""
-        labels = {naming.DEPLOYMENT: owner.name, naming.ROLE: "activator"}
         deployment = await self.kube.get(
             "apps/v1", "Deployment", owner.namespace, naming.activator_name(owner.name)
         )
-        pods = await self.kube.list("v1", "Pod", owner.namespace, labels) if deployment else []
+        pods = [
+            pod
+            for pod in (await self._children("v1", "Pod", owner) if deployment else [])
+            if (pod["metadata"].get("labels") or {}).get(naming.ROLE) == "activator"
+        ]
         ours = deployment is not None and controlled_by(deployment, owner.uid)
         running = [
             pod
@@ -923,18 +930,23 @@ class Supervisor:
         )
         return not (self.problems.world_conflicts(index) or self.problems.waiting(ref, now) or missing)
 
+    async def _children(self, api_version: str, kind: str, owner: render.Owner) -> list[dict[str, Any]]:
+        """The deployment's objects of `kind` that carry its label: from the watches, or listed."""
+        if self.children is not None:
+            return self.children.of(kind, owner.namespace, owner.name)
+        return await self.kube.list(api_version, kind, owner.namespace, {naming.DEPLOYMENT: owner.name})
+
     async def _own_pods(self, owner: render.Owner) -> list[dict[str, Any]]:
         """The launcher and worker pods of this LLMDeployment: a launcher it controls, a worker its
         StatefulSet controls. A pod that only carries the labels is someone else's (and is never
         polled with the admin token, restarted or deleted)."""
-        selector = {naming.DEPLOYMENT: owner.name}
         statefulsets = {
             sts["metadata"]["uid"]
-            for sts in await self.kube.list("apps/v1", "StatefulSet", owner.namespace, selector)
+            for sts in await self._children("apps/v1", "StatefulSet", owner)
             if controlled_by(sts, owner.uid)
         }
         own = []
-        for pod in await self.kube.list("v1", "Pod", owner.namespace, selector):
+        for pod in await self._children("v1", "Pod", owner):
             role = (pod["metadata"].get("labels") or {}).get(naming.ROLE)
             controller = controller_of(pod) or {}
             if (role == "launcher" and controller.get("uid") == owner.uid) or (

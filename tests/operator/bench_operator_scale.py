@@ -3,6 +3,7 @@ emulator; how long until every child of every one exists and every status is wri
 spec change across all of them: how long until every world runs pods of the new spec.
 
     .venv/bin/python tests/operator/bench_operator_scale.py [--count 100] [--operator in-process]
+        [--pods-from watch|list|both] [--steady 60]
 
 By default the operator runs as it is deployed: `berth operator` in a process of its own (kopf
 over HTTP to the emulator). The emulator, the StatefulSet controller and the stand-in kubelet
@@ -164,7 +165,7 @@ def on_new_spec(cluster: Cluster, names: list[str]) -> bool:
     return True
 
 
-async def bench(count: int, mode: str, steady: float) -> None:
+async def bench(count: int, mode: str, steady: float, listed: bool) -> None:
     example = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     names = [f"bench-{index:03d}" for index in range(count)]
     wanted = expected_children(names, example["spec"])
@@ -181,7 +182,11 @@ async def bench(count: int, mode: str, steady: float) -> None:
         async with running_cluster(Path(tmp)) as cluster:
             os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
             log = Path(tmp) / "operator.log"
-            operator = operator_process(cluster, log) if mode == "process" else running_operator(cluster)
+            operator = (
+                operator_process(cluster, log)
+                if mode == "process"
+                else running_operator(cluster, **({"list_children": True} if listed else {}))
+            )
             async with LoopbackSim(cluster, interval=0.2).running(), operator as handle:
                 pid = handle if mode == "process" else None
                 # Warm-up (not measured): the operator is up and has reconciled one deployment.
@@ -232,7 +237,10 @@ async def bench(count: int, mode: str, steady: float) -> None:
             f"{here:.1f} s ({100 * here / total:.0f} %)"
         )
 
-    print(f"operator: {'its own process (berth operator)' if mode == 'process' else 'in-process'}")
+    reads = "LISTed every round (the code before watches)" if listed else "from the watches"
+    print(
+        f"operator: {'its own process (berth operator)' if mode == 'process' else 'in-process'}; pods {reads}"
+    )
     print(
         f"{count} LLMDeployments ({len(wanted)} children: {len(wanted) // count} each) created in "
         f"{created:.2f} s; all children exist after {when(children_at)}; all statuses observed after "
@@ -255,10 +263,20 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--operator", choices=("process", "in-process"), default="process")
     parser.add_argument("--steady", type=float, default=60.0, help="seconds of steady state measured")
+    parser.add_argument(
+        "--pods-from",
+        choices=("watch", "list", "both"),
+        default="watch",
+        help="how the health rounds read pods and StatefulSets: the watches' cache, a LIST every round "
+        "(the code before watches, in-process only), or both one after the other in this run",
+    )
     args = parser.parse_args()
+    if args.pods_from != "watch" and args.operator == "process":
+        parser.error("--pods-from list|both needs --operator in-process (a setting of the operator's memo)")
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kopf").setLevel(logging.WARNING)
-    asyncio.run(bench(args.count, args.operator, args.steady))
+    for listed in {"watch": [False], "list": [True], "both": [True, False]}[args.pods_from]:
+        asyncio.run(bench(args.count, args.operator, args.steady, listed))
 
 
 if __name__ == "__main__":
