@@ -9,7 +9,6 @@ from the same files, and tests/operator/test_images.py checks that both say the 
   pip install berth[mpi] into /opt/berth       the test venv (its bin/ leads the pods' PATH)
   useradd --uid 1000 berth, password '*'       passwd / group / shadow entries in the layer
   COPY images/sshd_config, images/ssh_config   the same files, to the same paths
-  ssh-keygen -A                                host keys in the layer
   mkdir /run/sshd /etc/berth/...               the same directories in the layer
 """
 
@@ -146,6 +145,6 @@ def build_image(root: Path) -> Image:
         layer.mkdir(exist_ok=True)
         os.chmod(layer, 0o711)
     os.chown(root / HOME.lstrip("/"), UID, UID)
+    # No host keys: the worker's command makes its own when the pod starts.
     (etc / "ssh").mkdir(exist_ok=True)
-    subprocess.run(["ssh-keygen", "-A", "-f", str(root)], check=True, capture_output=True, timeout=60)
     return Image(root, layered=(*LAYERED, *opened))
