@@ -87,7 +87,7 @@ def test_the_users_and_paths_agree_with_the_operator() -> None:
     client = (ROOT / "images" / "ssh_config").read_text()
     assert f"IdentityFile {naming.SSH_DIR}/{render.SSH_PRIVATE_KEY}" in client
     assert naming.HOSTFILE_DIR in image.DIRECTORIES and naming.SSH_DIR in image.DIRECTORIES
-    assert render.SSHD == str(image.SSHD) and render.WORKER_COMMAND[-1].endswith(f"exec {image.SSHD} -De")
+    assert str(image.SSHD) == render.SSHD and render.WORKER_COMMAND[-1].endswith(f"exec {image.SSHD} -De")
     assert re.search(r"^PermitRootLogin no$", sshd, re.M)  # mpirun logs in as the image's user
     assert re.search(rf"^HostKey {render.SSH_HOST_KEY}$", sshd, re.M)  # the key the pod makes
 

@@ -165,7 +165,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("quantity not a quantity", with_spec(resources={"limits": {"memory": "lots"}}), "'lots' does not match"),
     (
         "an env value and a valueFrom",
-        with_spec(env=[{"name": "K", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
+        with_spec(
+            env=[{"name": "K", "value": "x", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]
+        ),
         "an env variable takes value or valueFrom, not both",
     ),
     (

@@ -62,8 +62,14 @@ SPEC: dict[str, Any] = {
     "engineArgs": ["--max-num-seqs=64"],
     "env": [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
-        {"name": "BERTH_API_KEY", "valueFrom": {"secretKeyRef": {"name": "api", "key": "key", "optional": False}}},
-        {"name": "HF_ENDPOINT", "valueFrom": {"configMapKeyRef": {"name": "hub", "key": "endpoint", "optional": True}}},
+        {
+            "name": "BERTH_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "api", "key": "key", "optional": False}},
+        },
+        {
+            "name": "HF_ENDPOINT",
+            "valueFrom": {"configMapKeyRef": {"name": "hub", "key": "endpoint", "optional": True}},
+        },
     ],
     "resources": {"requests": {"cpu": "4", "memory": "48Gi"}, "limits": {"memory": "48Gi"}},
     "launcherResources": {"requests": {"cpu": "1"}, "limits": {"memory": "8Gi"}},
