@@ -30,8 +30,9 @@ ADMIN_TOKEN_ENV = "BERTH_ADMIN_TOKEN"
 # The worker image runs an SSH server in the foreground, waiting for the launcher's mpirun;
 # operator/README.md ("Images") says what its sshd_config must allow. Its host key is made in
 # the pod at start (the image carries none, so no two pods, and no one who pulls the image, share
-# it); a restarted container keeps the key it made.
-SSH_HOST_KEY = "/etc/ssh/ssh_host_ed25519_key"
+# it); a restarted container keeps the key it made. Its own directory (images/sshd_config's only
+# HostKey): a key the distribution's package left in /etc/ssh is never used.
+SSH_HOST_KEY = "/etc/ssh/berth/ssh_host_ed25519_key"
 SSHD = "/usr/sbin/sshd"
 WORKER_COMMAND = (
     "/bin/sh",

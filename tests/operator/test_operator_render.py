@@ -163,7 +163,7 @@ def test_worker_statefulset() -> None:
     # sshd in the foreground, after making the pod's own host key.
     assert container["command"][:2] == ["/bin/sh", "-c"]
     assert container["command"][2].endswith("&& exec /usr/sbin/sshd -De")
-    assert "ssh-keygen -q -t ed25519 -N '' -f /etc/ssh/ssh_host_ed25519_key" in container["command"][2]
+    assert "ssh-keygen -q -t ed25519 -N '' -f /etc/ssh/berth/ssh_host_ed25519_key" in container["command"][2]
     assert container["image"] == "berth:1" and container["imagePullPolicy"] == "IfNotPresent"
     assert container["resources"] == {
         "requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},

@@ -29,9 +29,10 @@ FILES = {
     "images/sshd_config": "/etc/ssh/sshd_config.d/berth.conf",
     "images/ssh_config": "/etc/ssh/ssh_config.d/berth.conf",
 }
-# Directories the image creates: sshd's privilege separation directory, the mount points of the
+# Directories the image creates: sshd's privilege separation directory, where a worker makes its
+# host key (this machine's own host keys in /etc/ssh are never used), the mount points of the
 # operator's volumes, the user's home.
-DIRECTORIES = ("/run/sshd", "/etc/berth/ssh", "/etc/berth/hostfile", HOME)
+DIRECTORIES = ("/run/sshd", "/etc/ssh/berth", "/etc/berth/ssh", "/etc/berth/hostfile", HOME)
 # Machine directories the layer is laid over (copy-on-write, per container).
 LAYERED = ("/etc", "/home", "/run")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
