@@ -161,13 +161,18 @@ def _gone(memo: kopf.Memo) -> asyncio.Event:
     return memo.gone
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
-def notice_deletion(type: str | None, memo: kopf.Memo, **_: Any) -> None:
+def _is_deletion(type: str | None, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+# Filtered to deletions: kopf logs every call of an event handler, and the other events (every
+# status write) would fill the log.
+@kopf.on.event(GROUP, VERSION, PLURAL, when=_is_deletion)
+def notice_deletion(memo: kopf.Memo, **_: Any) -> None:
     # Without a finalizer kopf never sees a deletion coming: the watch's DELETED event is the
     # daemon's only word that its object is gone. kopf's memo is per object: this one's daemon.
-    if type == "DELETED":
-        _gone(memo).set()
-        _spec_changed(memo).set()  # wakes the daemon's pause
+    _gone(memo).set()
+    _spec_changed(memo).set()  # wakes the daemon's pause
 
 
 def _spec_changed(memo: kopf.Memo) -> asyncio.Event:

@@ -6,9 +6,11 @@ when this one starts. Deleted while the operator runs, its health daemon stops."
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from prometheus_client import REGISTRY
 
@@ -45,7 +47,10 @@ def daemon_rounds(name: str) -> float | None:
     return REGISTRY.get_sample_value(LAST_ROUND, {"namespace": "default", "deployment": name})
 
 
-async def test_deletion_needs_no_operator(cluster: Cluster, sim: ClusterSim, tmp_path: Path) -> None:
+async def test_deletion_needs_no_operator(
+    cluster: Cluster, sim: ClusterSim, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     async with running_operator(cluster):
         # Left by an older operator: this one needs no finalizer and takes it off.
         older = manifest(tmp_path, "llama", finalizers=[handlers.FINALIZER])
@@ -62,6 +67,9 @@ async def test_deletion_needs_no_operator(cluster: Cluster, sim: ClusterSim, tmp
         await asyncio.sleep(2.5)  # two more health intervals: no round of a deleted object
         assert daemon_rounds("brief") is None
         assert finalizers(cluster, "llama") == []  # and none came back
+    # The deletion handler ran for the one deletion, not for every other event (status writes).
+    notices = [r for r in caplog.records if "notice_deletion" in r.getMessage()]
+    assert [getattr(r, "k8s_ref", {}).get("name") for r in notices] == ["brief"], notices
 
     # The operator is gone (uninstalled): deleting still completes, the children follow.
     await cluster.kubectl("delete", "llmd", "llama", "--timeout=10s", timeout=20)
