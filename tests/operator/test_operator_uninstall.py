@@ -1,7 +1,8 @@
 """Uninstall never hangs: no LLMDeployment carries a finalizer, so `kubectl delete llmd` completes
 with the operator stopped (uninstalled, crashed, out of RBAC) and the garbage collector takes the
 children by their owner references. An object an older operator finalized loses the finalizer
-when this one starts. Deleted while the operator runs, its health daemon stops."""
+when this one starts. Deleted while the operator runs, its health daemon stops: on the watch's
+DELETED event, or, had the watch missed it, at its next status write."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from berth.operator import handlers
+from berth.operator import handlers, health
+from berth.operator.kube import Kube
+from berth.operator.metrics import metrics
+from berth.operator.supervisor import OwnerGone, Supervisor
 from tests.support.cluster import Cluster, ClusterSim, wait_for
 from tests.support.operator_runner import running_operator
 
@@ -75,3 +80,27 @@ async def test_deletion_needs_no_operator(
     await cluster.kubectl("delete", "llmd", "llama", "--timeout=10s", timeout=20)
     assert cluster.get(LLMD, "llama") is None
     await wait_for(lambda: children(cluster, "llama") == [], 10, "llama's children collected")
+
+
+async def test_a_supervisor_whose_object_is_gone_stops_at_its_status_write(cluster: Cluster) -> None:
+    # Deleted while the operator's watch was away (no DELETED event ever comes): the daemon's next
+    # status write finds the object gone, and the daemon ends instead of retrying forever.
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"].update(replicas=0, frontends=0)
+    body = {**doc, "metadata": {**doc["metadata"], "uid": "gone-uid", "generation": 1}, "status": {}}
+    kube = await Kube.connect(str(cluster.kubeconfig))
+    async with httpx.AsyncClient() as http:
+        supervisor = Supervisor(
+            kube=kube,
+            http=http,
+            resolver=health.pod_address,
+            metrics=metrics(),
+            post_event=lambda *_: None,
+            logger=logging.getLogger("test"),
+        )
+        try:
+            with pytest.raises(OwnerGone, match="default/llama"):
+                await supervisor.tick(body)
+        finally:
+            supervisor.close()
+            await kube.close()
