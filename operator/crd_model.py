@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from berth.operator.pod_template import PodTemplate, template_problems
+from berth.operator.pod_template import RESERVED_ENV, PodTemplate, template_problems
 from berth.operator.quantity import Quantity, canonical_quantity, check_quantity
 
 GROUP = "berth.dev"
@@ -267,7 +267,12 @@ class EnvVar(_Model):
             {
                 "rule": "!(has(self.value) && self.value != '' && has(self.valueFrom))",
                 "message": "an env variable takes value or valueFrom, not both",
-            }
+            },
+            {
+                "rule": f"!(self.name in {sorted(RESERVED_ENV)})",
+                "message": f"env may not set {', '.join(sorted(RESERVED_ENV))}: berth sets them "
+                "(its own Secrets)",
+            },
         )
     )
 
@@ -282,6 +287,8 @@ class EnvVar(_Model):
     def _value_or_source(self) -> EnvVar:
         if self.value and self.value_from is not None:
             raise ValueError(f"env {self.name}: value and valueFrom are exclusive")
+        if self.name in RESERVED_ENV:
+            raise ValueError(f"env may not set {self.name}: berth sets it (its own Secrets)")
         return self
 
     def as_dict(self) -> dict[str, Any]:

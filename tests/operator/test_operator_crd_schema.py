@@ -187,6 +187,13 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("an env valueFrom with no source", with_spec(env=[{"name": "K", "valueFrom": {}}]), "exactly one of"),
     (
+        "an env variable berth sets",
+        with_spec(
+            env=[{"name": "BERTH_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+        ),
+        "env may not set BERTH_ADMIN_TOKEN, BERTH_ENGINE_KEY, BERTH_WORLD: berth sets them",
+    ),
+    (
         "gpus in resources",
         with_spec(resources={"limits": {"nvidia.com/gpu": 2}}),
         "do not set nvidia.com/gpu in resources: the operator requests gpusPerNode GPUs per worker pod",
@@ -319,7 +326,7 @@ def test_bad_documents_are_rejected_with_the_expected_message(
 
 def test_every_cel_rule_compiles_and_has_a_message() -> None:
     rules = list(rule_sites(SCHEMA))
-    assert len(rules) == 18  # the container-template rule once per role
+    assert len(rules) == 19  # the container-template rule once per role
     for _, rule in rules:
         cel_rules.program(rule["rule"])  # raises RuleError when cel-python cannot compile it
         assert rule.get("message"), f"rule without a message: {rule['rule']}"
