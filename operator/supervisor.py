@@ -37,7 +37,7 @@ from berth.operator.crd_model import API_VERSION, KIND, InvalidSpec, LLMDeployme
 from berth.operator.credentials import unb64
 from berth.operator.demand import DemandWatcher
 from berth.operator.health import AddressResolver, EngineLoad, Probe, base_url, probe, resolve
-from berth.operator.kube import Conflict, Kube, KubeError
+from berth.operator.kube import Conflict, Kube, KubeError, NotFound
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import RestartPolicy, format_time, parse_time
 from berth.operator.watched import WatchedChildren
@@ -61,6 +61,10 @@ def served_path(revision: str | None) -> str | None:
 
 def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
+
+
+class OwnerGone(Exception):
+    """The LLMDeployment this supervisor watches no longer exists (its status cannot be written)."""
 
 
 class Supervisor:
@@ -980,9 +984,12 @@ class Supervisor:
         if all(previous.get(key) == value for key, value in new.items()):
             return
         patch = {key: _with_deletions(previous.get(key), value) for key, value in new.items()}
-        await self.kube.patch(
-            API_VERSION, KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status"
-        )
+        try:
+            await self.kube.patch(
+                API_VERSION, KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status"
+            )
+        except NotFound:
+            raise OwnerGone(f"{meta['namespace']}/{meta['name']}") from None
         self._written = {**previous, **new}
 
 
