@@ -40,7 +40,7 @@ from berth.operator.health import AddressResolver, EngineLoad, Probe, base_url, 
 from berth.operator.kube import Conflict, Kube, KubeError, NotFound
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import RestartPolicy, format_time, parse_time
-from berth.operator.watched import WatchedChildren
+from berth.operator.watched import Expectations, WatchedChildren
 
 SETTLED_PHASES = ("Ready", "Failed", "Sleeping")
 FAST_INTERVAL = 2.0
@@ -84,8 +84,11 @@ class Supervisor:
         children: WatchedChildren | None = None,
     ) -> None:
         self.kube = kube
-        # Pods and StatefulSets from the watches (None: listed from the API server each round).
+        # Pods and StatefulSets from the watches (None: listed from the API server each round),
+        # once the watches show this loop's own writes (watched.py).
         self.children = children
+        self._expected = {kind: Expectations() for kind in ("Pod", "StatefulSet")}
+        self._uids: dict[tuple[str, str], str] = {}  # (kind, name) -> uid, as last read
         self.http = http
         self.resolver = resolver
         self.metrics = metrics
@@ -161,6 +164,8 @@ class Supervisor:
                 f"pod {pod_name} was terminating on a node that does not answer: deleted with grace period 0",
             )
         if lost:  # gone now, whatever the watches have delivered yet
+            for pod_name in lost:
+                self._expect(f"Pod/{pod_name}", "delete")
             pods = [pod for pod in pods if pod["metadata"]["name"] not in lost]
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         previous_worlds = {world.get("index"): world for world in previous_status.get("worlds") or []}
@@ -874,6 +879,7 @@ class Supervisor:
                 outcome = reconcile.Outcome()
                 sts = render.worker_statefulset(owner, spec, index)
                 await reconcile.ensure(self.kube, sts, outcome, self.drift)
+                self._expect(f"StatefulSet/{world_name}", "create")
                 for event in outcome.events() + outcome.record_writes(self.problems, now):
                     self.post_event(*event)
         # Without a gang scheduler the next rounds create it, once the new workers have nodes.
@@ -918,6 +924,7 @@ class Supervisor:
                 self.post_event(*event)
             return False
         self.problems.succeeded(ref)
+        self._expect(ref, verb)
         return True
 
     def _may_create_launcher(self, owner: render.Owner, index: int, now: dt.datetime) -> bool:
@@ -935,10 +942,25 @@ class Supervisor:
         return not (self.problems.world_conflicts(index) or self.problems.waiting(ref, now) or missing)
 
     async def _children(self, api_version: str, kind: str, owner: render.Owner) -> list[dict[str, Any]]:
-        """The deployment's objects of `kind` that carry its label: from the watches, or listed."""
-        if self.children is not None:
-            return self.children.of(kind, owner.namespace, owner.name)
-        return await self.kube.list(api_version, kind, owner.namespace, {naming.DEPLOYMENT: owner.name})
+        """The deployment's objects of `kind` that carry its label: from the watches once they
+        show this loop's own writes, else listed from the API server."""
+        objects = self.children.of(kind, owner.namespace, owner.name) if self.children is not None else None
+        if objects is None or not self._expected[kind].met_by(objects):
+            objects = await self.kube.list(
+                api_version, kind, owner.namespace, {naming.DEPLOYMENT: owner.name}
+            )
+        self._uids.update({(kind, obj["metadata"]["name"]): obj["metadata"]["uid"] for obj in objects})
+        return objects
+
+    def _expect(self, ref: str, verb: str) -> None:
+        """Remember a write of a pod or StatefulSet until the watches show it."""
+        kind, _, name = ref.partition("/")
+        if kind not in self._expected:
+            return
+        if verb == "create":
+            self._expected[kind].created(name)
+        elif verb == "delete" and (kind, name) in self._uids:
+            self._expected[kind].deleted(self._uids[(kind, name)])
 
     async def _own_pods(self, owner: render.Owner) -> list[dict[str, Any]]:
         """The launcher and worker pods of this LLMDeployment: a launcher it controls, a worker its
