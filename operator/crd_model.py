@@ -305,7 +305,8 @@ class RolloutSpec(_Model):
     max_unavailable: int = Field(default=1, ge=1)
     """Worlds that may be out of service at once during a rollout."""
     drain_timeout_seconds: int = Field(default=300, ge=0)
-    """How long in-flight requests may finish before a world is replaced."""
+    """How long in-flight requests may finish before a world is replaced, and after a launcher or
+    frontend pod is stopped (its termination grace period is this plus 30 s)."""
     in_place_weight_swap: bool = False
     """When only the model changes, swap weights through sleep level 2 + wakeup, no pod restart."""
 
