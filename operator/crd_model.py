@@ -121,7 +121,9 @@ class ModelVolume(_Model):
     mount_path: str = Field(pattern=r"^/")
     """Absolute path the volume is mounted at; model.path must lie under it."""
     persistent_volume_claim: PVCSource | None = None
-    """A PersistentVolumeClaim in the same namespace holding the weights."""
+    """A PersistentVolumeClaim in the same namespace holding the weights. Every launcher and worker
+    pod mounts it at once, on many nodes: ReadOnlyMany or ReadWriteMany (a ReadWriteOnce claim
+    mounted by several pods is the warning condition ModelVolumeNotShareable)."""
     host_path: HostPathSource | None = None
     """A directory on every node (single-node and test clusters)."""
     nfs: NFSSource | None = None

@@ -23,6 +23,7 @@ from berth.operator import (
     disruption,
     engine_admin,
     gang,
+    model_volume,
     naming,
     pod_template,
     reconcile,
@@ -101,6 +102,7 @@ class Supervisor:
         self._scheduling_orders: dict[int, str] = {}  # world -> release | resume, this round (gang.py)
         # Conflicting objects and refused writes, shared with the reconcile handler.
         self.problems = problems if problems is not None else ChildProblems()
+        self.model_claim = model_volume.ClaimWatch()
 
     def close(self) -> None:
         """Stop waiting for transitions in flight (the engines finish them on their own; a
@@ -262,6 +264,8 @@ class Supervisor:
             reconciled=reconciled_now,
         )
         conds.append(pod_template.deprecation_condition(spec))  # a warning: nothing is refused
+        claim = await self.model_claim.read(self.kube, namespace, spec, now)
+        conds.append(model_volume.condition(spec, claim))  # a warning too
         ready = sum(1 for world in statuses if world.get("phase") == "Ready")
         self.metrics.set_world_phases(namespace, name, [world["phase"] for world in statuses])
         self.metrics.set_worlds(
