@@ -250,6 +250,18 @@ def termination_grace_seconds(spec: LLMDeploymentSpec) -> int:
     return spec.rollout.drain_timeout_seconds + TERMINATION_MARGIN_SECONDS
 
 
+def stop_grace_seconds(spec: LLMDeploymentSpec) -> int:
+    """The grace period of a world's pods the operator deletes once there is nothing left to drain
+    (a dead or parked world, one released or removed): the margin alone, or a template's shorter
+    grace period."""
+    chosen = [
+        role.template.spec.termination_grace_period_seconds
+        for role in (spec.launcher, spec.workers)
+        if role.template.spec.termination_grace_period_seconds is not None
+    ]
+    return min([TERMINATION_MARGIN_SECONDS, *chosen])
+
+
 def _placement(spec: LLMDeploymentSpec, role: str) -> dict[str, Any]:
     """The deprecated shared placement: its nodeSelector (the GPU nodes) places workers only, a
     toleration only permits, so every role keeps them. The roles' templates add theirs."""

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -474,7 +474,7 @@ class Supervisor:
                 statuses.append(status)
                 continue
             # Parked, drained, never up, or dead: nothing in flight to wait for.
-            deletion = self.kube.delete("v1", "Pod", owner.namespace, launcher_name)
+            deletion = self._delete_pod(owner, spec, launcher_name)
             if await self._write(index, f"Pod/{launcher_name}", "delete", now, deletion):
                 self.post_event(
                     "Normal", "WorldRemoved", f"world {index} removed: replicas is {spec.replicas}"
@@ -846,6 +846,15 @@ class Supervisor:
             return None
         return "worker"
 
+    def _delete_pod(self, owner: render.Owner, name: str) -> Awaitable[bool]:
+        """Delete a pod of a world that drained already or has nothing to drain (dead, silent,
+        released, parked): the engine gets its shutdown margin, not the pod's grace period, which
+        is the drain timeout plus that margin for the deletions the operator does not decide
+        (an eviction, a drained node)."""
+        return self.kube.delete(
+            "v1", "Pod", owner.namespace, name, grace_seconds=render.TERMINATION_MARGIN_SECONDS
+        )
+
     async def _replace_world(
         self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, doomed: list[str], now: dt.datetime
     ) -> None:
@@ -856,9 +865,7 @@ class Supervisor:
         and without a gang scheduler once the new workers have nodes).
         """
         for name in doomed:
-            await self._write(
-                index, f"Pod/{name}", "delete", now, self.kube.delete("v1", "Pod", owner.namespace, name)
-            )
+            await self._write(index, f"Pod/{name}", "delete", now, self._delete_pod(owner, spec, name))
         world_name = naming.world_name(owner.name, index)
         if self.problems.immutable_statefulset(world_name):
             # Deleted (its pods go with it, background propagation) and created anew from the spec.
@@ -885,9 +892,7 @@ class Supervisor:
             self.post_event(*event)
         if release:
             name = naming.launcher_pod_name(owner.name, index)
-            await self._write(
-                index, f"Pod/{name}", "delete", now, self.kube.delete("v1", "Pod", owner.namespace, name)
-            )
+            await self._write(index, f"Pod/{name}", "delete", now, self._delete_pod(owner, spec, name))
 
     async def _create_launcher(
         self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, now: dt.datetime

@@ -356,6 +356,14 @@ def test_serving_pods_get_the_drain_timeout_and_a_margin_before_sigkill() -> Non
     assert own["spec"]["containers"][0]["command"][-1] == "--shutdown-timeout=10"
 
 
+def test_pods_the_operator_deletes_with_nothing_to_drain_get_the_margin_only() -> None:
+    assert render.stop_grace_seconds(spec()) == render.TERMINATION_MARGIN_SECONDS
+    quick = {"template": {"spec": {"terminationGracePeriodSeconds": 5}}}
+    assert render.stop_grace_seconds(spec(workers=quick)) == 5  # never longer than a template's
+    slow = {"template": {"spec": {"terminationGracePeriodSeconds": 600}}}
+    assert render.stop_grace_seconds(spec(launcher=slow)) == render.TERMINATION_MARGIN_SECONDS
+
+
 def test_rendered_as_the_api_server_stores_it() -> None:
     # Quantities in canonical form and empty env values without `value`: what the server would
     # read back, so a reconcile never sees drift it caused itself.
