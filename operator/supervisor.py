@@ -846,14 +846,13 @@ class Supervisor:
             return None
         return "worker"
 
-    def _delete_pod(self, owner: render.Owner, name: str) -> Awaitable[bool]:
+    def _delete_pod(self, owner: render.Owner, spec: LLMDeploymentSpec, name: str) -> Awaitable[bool]:
         """Delete a pod of a world that drained already or has nothing to drain (dead, silent,
-        released, parked): the engine gets its shutdown margin, not the pod's grace period, which
-        is the drain timeout plus that margin for the deletions the operator does not decide
-        (an eviction, a drained node)."""
-        return self.kube.delete(
-            "v1", "Pod", owner.namespace, name, grace_seconds=render.TERMINATION_MARGIN_SECONDS
-        )
+        released, parked): the engine gets its shutdown margin, not the launcher's grace period,
+        which is the drain timeout plus that margin for the deletions the operator does not
+        decide (an eviction, a drained node)."""
+        grace = render.stop_grace_seconds(spec)
+        return self.kube.delete("v1", "Pod", owner.namespace, name, grace_seconds=grace)
 
     async def _replace_world(
         self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, doomed: list[str], now: dt.datetime
