@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from berth.operator.pod_template import PodTemplate, template_problems
+from berth.operator.pod_template import RESERVED_ENV, PodTemplate, template_problems
 from berth.operator.quantity import Quantity, canonical_quantity, check_quantity
 
 GROUP = "berth.dev"
@@ -211,13 +211,94 @@ class Resources(_Model):
         }
 
 
+class KeyReference(_Model):
+    """One key of a Secret or ConfigMap in the LLMDeployment's namespace."""
+
+    name: str = Field(min_length=1)
+    """The Secret's or ConfigMap's name."""
+    key: str = Field(min_length=1)
+    """The key whose value the variable takes."""
+    optional: bool | None = None
+    """Start the pod without the variable when the object or key is missing (default: the pod
+    waits for it)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        # `optional` only when set: the API server stores it the same way (a pointer, omitempty).
+        reference: dict[str, Any] = {"name": self.name, "key": self.key}
+        if self.optional is not None:
+            reference["optional"] = self.optional
+        return reference
+
+
+class EnvVarSource(_Model):
+    """Where a variable's value comes from: a Secret's key (API keys, tokens) or a ConfigMap's.
+    The value never enters the LLMDeployment, so the object can live in Git."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "has(self.secretKeyRef) != has(self.configMapKeyRef)",
+                "message": "valueFrom takes exactly one of secretKeyRef and configMapKeyRef",
+            }
+        )
+    )
+
+    secret_key_ref: KeyReference | None = None
+    """A key of a Secret."""
+    config_map_key_ref: KeyReference | None = None
+    """A key of a ConfigMap."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVarSource:
+        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
+            raise ValueError("valueFrom takes exactly one of secretKeyRef and configMapKeyRef")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        if self.secret_key_ref is not None:
+            return {"secretKeyRef": self.secret_key_ref.as_dict()}
+        assert self.config_map_key_ref is not None
+        return {"configMapKeyRef": self.config_map_key_ref.as_dict()}
+
+
 class EnvVar(_Model):
-    """One environment variable."""
+    """One environment variable: a literal value, or valueFrom a Secret's or ConfigMap's key."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            {
+                "rule": "!(has(self.value) && self.value != '' && has(self.valueFrom))",
+                "message": "an env variable takes value or valueFrom, not both",
+            },
+            {
+                "rule": f"!(self.name in {sorted(RESERVED_ENV)})",
+                "message": f"env may not set {', '.join(sorted(RESERVED_ENV))}: berth sets them "
+                "(its own Secrets)",
+            },
+        )
+    )
 
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """Variable name."""
     value: str = ""
-    """Variable value."""
+    """Variable value (in the LLMDeployment, so in Git: put secrets in valueFrom)."""
+    value_from: EnvVarSource | None = None
+    """Take the value from a Secret's or ConfigMap's key at the pod's start."""
+
+    @model_validator(mode="after")
+    def _value_or_source(self) -> EnvVar:
+        if self.value and self.value_from is not None:
+            raise ValueError(f"env {self.name}: value and valueFrom are exclusive")
+        if self.name in RESERVED_ENV:
+            raise ValueError(f"env may not set {self.name}: berth sets it (its own Secrets)")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        # An empty value is rendered without `value`, as the API server stores it (`omitempty`):
+        # otherwise every read would differ from the rendering and be "repaired" forever.
+        if self.value_from is not None:
+            return {"name": self.name, "valueFrom": self.value_from.as_dict()}
+        return {"name": self.name, "value": self.value} if self.value else {"name": self.name}
 
 
 class Toleration(_Model):

@@ -3,11 +3,17 @@
 - create / spec update / operator resume → reconcile.py (children to the rendered state)
 - one daemon per LLMDeployment → supervisor.py (health polls, world restarts, status)
 Importing this module registers the handlers in kopf's default registry.
+
+No finalizer: deleting an LLMDeployment never waits for the operator (an uninstalled or stopped
+operator leaves nothing that hangs). Its children go with it by their owner references (the
+garbage collector, not the operator, deletes them), and its daemon stops when the deletion is
+seen (a watch event) or, if that event was missed, when its status can no longer be written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from typing import Any
@@ -15,18 +21,24 @@ from typing import Any
 import httpx
 import kopf
 
-from berth.operator import autoscale, gang, health, naming, reconcile, render
+from berth.operator import autoscale, gang, health, naming, reconcile, render, watched
 from berth.operator.child_problems import ChildProblems
 from berth.operator.crd_model import GROUP, PLURAL, VERSION, InvalidSpec, parse_spec
 from berth.operator.kube import Kube, KubeError
 from berth.operator.metrics import metrics
-from berth.operator.supervisor import Supervisor, utc_now
+from berth.operator.supervisor import OwnerGone, Supervisor, utc_now
 
+# The finalizer operators before this one put on every LLMDeployment. kopf still knows its name:
+# it removes it from an object that has it, as no handler needs it (an upgrade unblocks them).
 FINALIZER = "berth.dev/operator"
 RETRY_DELAY = 5.0
 # How often the daemon re-runs the full reconcile, repairing children changed or deleted
 # behind the operator's back (handlers only fire on the LLMDeployment's own changes).
 RESYNC_SECONDS = 60.0
+# Watches end after this long and are opened again (the server closes them, or the client
+# gives up on one that stalls): a watch that silently stopped delivering cannot last.
+WATCH_SERVER_TIMEOUT = 300
+WATCH_CLIENT_TIMEOUT = 330
 
 
 @kopf.on.startup()
@@ -42,6 +54,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: ko
     # ClusterRole in the namespaced install): the CRD ships with the operator and is found by
     # discovery at start; namespaces are given by name (--namespace) or all of them.
     settings.scanning.disabled = True
+    settings.watching.server_timeout = settings.watching.server_timeout or WATCH_SERVER_TIMEOUT
+    settings.watching.client_timeout = settings.watching.client_timeout or WATCH_CLIENT_TIMEOUT
     settings.posting.reporting_component = "berth-operator"
     settings.posting.event_name_prefix = "berth-"
     memo.kube = await Kube.connect(memo.get("kubeconfig"))
@@ -147,6 +161,26 @@ def _child_problems(memo: kopf.Memo) -> ChildProblems:
     return memo.child_problems
 
 
+def _gone(memo: kopf.Memo) -> asyncio.Event:
+    if "gone" not in memo:
+        memo.gone = asyncio.Event()
+    return memo.gone
+
+
+def _is_deletion(type: str | None, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+# Filtered to deletions: kopf logs every call of an event handler, and the other events (every
+# status write) would fill the log.
+@kopf.on.event(GROUP, VERSION, PLURAL, when=_is_deletion)
+def notice_deletion(memo: kopf.Memo, **_: Any) -> None:
+    # Without a finalizer kopf never sees a deletion coming: the watch's DELETED event is the
+    # daemon's only word that its object is gone. kopf's memo is per object: this one's daemon.
+    _gone(memo).set()
+    _spec_changed(memo).set()  # wakes the daemon's pause
+
+
 def _spec_changed(memo: kopf.Memo) -> asyncio.Event:
     if "spec_changed" not in memo:
         memo.spec_changed = asyncio.Event()
@@ -171,6 +205,18 @@ def _refuse(patch: kopf.Patch, generation: int | None, message: str) -> None:
     patch.status["refusal"] = {"generation": generation, "message": message}
 
 
+# Every berth pod and StatefulSet, as the watches last saw it (watched.py): the health rounds
+# read them here instead of listing them from the API server every round.
+@kopf.index("v1", "pods", labels={naming.DEPLOYMENT: kopf.PRESENT})
+def berth_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict:
+    return watched.entry(body, namespace, labels[naming.DEPLOYMENT])
+
+
+@kopf.index("apps", "v1", "statefulsets", labels={naming.DEPLOYMENT: kopf.PRESENT})
+def berth_statefulsets(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict:
+    return watched.entry(body, namespace, labels[naming.DEPLOYMENT])
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
 async def supervise_worlds(
     body: kopf.Body,
@@ -179,8 +225,12 @@ async def supervise_worlds(
     stopped: kopf.DaemonStopped,
     memo: kopf.Memo,
     logger: kopf.Logger,
+    berth_pods: kopf.Index,
+    berth_statefulsets: kopf.Index,
     **_: Any,
 ) -> None:
+    # memo.list_children: the rounds list from the API server instead (the benchmark's baseline).
+    children = None if memo.get("list_children") else watched.WatchedChildren(berth_pods, berth_statefulsets)
     supervisor = Supervisor(
         kube=memo.kube,
         http=memo.http,
@@ -196,12 +246,15 @@ async def supervise_worlds(
         clock=memo.get("clock") or utc_now,
         wake=_spec_changed(memo).set,
         problems=_child_problems(memo),
+        children=children,
     )
-    wake = _spec_changed(memo)
+    wake, gone = _spec_changed(memo), _gone(memo)
     try:
-        while not stopped:
+        while not stopped and not gone.is_set():
             try:
                 interval = await supervisor.tick(body)
+            except OwnerGone:
+                break  # deleted while the watch was away: nothing left to supervise
             except KubeError as exc:
                 logger.warning(f"health round failed, retrying: {exc}")
                 interval = RETRY_DELAY
@@ -209,3 +262,26 @@ async def supervise_worlds(
     finally:
         supervisor.close()
         metrics().forget(namespace, name)
+
+
+def _without_finalizer(daemon: Any) -> None:
+    """Spawn `daemon` without putting kopf's finalizer on its objects.
+
+    kopf's daemons always ask for one, so that an object's deletion waits until its daemon has
+    stopped. Here nothing needs that wait (the children are the garbage collector's, the daemon
+    stops on the deletion event, `notice_deletion`), and the wait hangs every deletion, and the
+    CRD's with them, once the operator is gone. kopf has no public switch for it: its handler
+    record is replaced by one that does not require the finalizer
+    (tests/operator/test_operator_uninstall.py deletes an LLMDeployment with the operator stopped).
+    """
+    spawning = kopf.get_default_registry()._spawning
+    found = [handler for handler in spawning._handlers if handler.fn is daemon]
+    if not found:
+        raise RuntimeError(f"{daemon.__name__} is not a registered kopf daemon")
+    spawning._handlers[:] = [
+        dataclasses.replace(handler, requires_finalizer=False) if handler.fn is daemon else handler
+        for handler in spawning._handlers
+    ]
+
+
+_without_finalizer(supervise_worlds)

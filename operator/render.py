@@ -28,8 +28,17 @@ from berth.operator.credentials import SSHKeyPair, b64
 ENGINE_KEY_ENV = "BERTH_ENGINE_KEY"
 ADMIN_TOKEN_ENV = "BERTH_ADMIN_TOKEN"
 # The worker image runs an SSH server in the foreground, waiting for the launcher's mpirun;
-# operator/README.md ("Images") says what its sshd_config must allow.
-WORKER_COMMAND = ("/usr/sbin/sshd", "-De")
+# operator/README.md ("Images") says what its sshd_config must allow. Its host key is made in
+# the pod at start (the image carries none, so no two pods, and no one who pulls the image, share
+# it); a restarted container keeps the key it made. Its own directory (images/sshd_config's only
+# HostKey): a key the distribution's package left in /etc/ssh is never used.
+SSH_HOST_KEY = "/etc/ssh/berth/ssh_host_ed25519_key"
+SSHD = "/usr/sbin/sshd"
+WORKER_COMMAND = (
+    "/bin/sh",
+    "-c",
+    f"test -f {SSH_HOST_KEY} || ssh-keygen -q -t ed25519 -N '' -f {SSH_HOST_KEY} && exec {SSHD} -De",
+)
 SSH_PRIVATE_KEY = "id_ed25519"
 SSH_PUBLIC_KEY = "id_ed25519.pub"
 SSH_AUTHORIZED_KEYS = "authorized_keys"
@@ -153,14 +162,12 @@ def _secret_env(owner: Owner) -> list[dict[str, Any]]:
 
 
 def _user_env(spec: LLMDeploymentSpec, world: int) -> list[dict[str, Any]]:
-    # An empty value is rendered without `value`, as the API server stores it (`omitempty`):
-    # otherwise every read would differ from the rendering and be "repaired" forever.
+    # Values from Secrets stay references (valueFrom): the kubelet resolves them in the pod, so
+    # no secret is ever in a pod spec, a command line or the operator's memory.
     operator_env = [{"name": "BERTH_WORLD", "value": str(world)}]
     if not any(var.name == KV_CACHE_MEMORY_FRACTION_ENV for var in spec.env):  # the user's wins
         operator_env.append({"name": KV_CACHE_MEMORY_FRACTION_ENV, "value": KV_CACHE_MEMORY_FRACTION})
-    return operator_env + [
-        {"name": var.name, "value": var.value} if var.value else {"name": var.name} for var in spec.env
-    ]
+    return operator_env + [var.as_dict() for var in spec.env]
 
 
 def _pod_security(*, as_root: bool) -> dict[str, Any]:
@@ -187,9 +194,22 @@ def _shm_volume() -> dict[str, Any]:
 SHM_MOUNT = {"name": SHM_VOLUME, "mountPath": "/dev/shm"}
 
 
-def _ssh_volume(owner: Owner) -> dict[str, Any]:
+# What each role mounts of the Secret NAME-ssh: the launcher's mpirun logs in with the private
+# key; a worker only lets that key in, so it never holds the key (a worker compromised through a
+# rank cannot log in to its world's other workers).
+SSH_KEYS_OF_ROLE = {"launcher": (SSH_PRIVATE_KEY,), "worker": (SSH_AUTHORIZED_KEYS,)}
+
+
+def _ssh_volume(owner: Owner, role: str) -> dict[str, Any]:
     # 0400: sshd and ssh refuse keys that others can read.
-    return {"name": "ssh", "secret": {"secretName": naming.ssh_secret(owner.name), "defaultMode": 0o400}}
+    return {
+        "name": "ssh",
+        "secret": {
+            "secretName": naming.ssh_secret(owner.name),
+            "defaultMode": 0o400,
+            "items": [{"key": key, "path": key} for key in SSH_KEYS_OF_ROLE[role]],
+        },
+    }
 
 
 def _model_volumes(spec: LLMDeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -346,7 +366,7 @@ def worker_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
                 ],
             }
         ],
-        "volumes": [_ssh_volume(owner), _shm_volume(), *model_volumes],
+        "volumes": [_ssh_volume(owner, "worker"), _shm_volume(), *model_volumes],
     }
     affinity = worker_affinity(owner, spec, world)
     if affinity:
@@ -514,7 +534,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
         ],
         "volumes": [
             {"name": "hostfile", "configMap": {"name": naming.hostfile_name(owner.name, world)}},
-            _ssh_volume(owner),
+            _ssh_volume(owner, "launcher"),
             _shm_volume(),
             *model_volumes,
         ],

@@ -38,9 +38,10 @@ from berth.operator.crd_model import API_VERSION, KIND, InvalidSpec, LLMDeployme
 from berth.operator.credentials import unb64
 from berth.operator.demand import DemandWatcher
 from berth.operator.health import AddressResolver, EngineLoad, Probe, base_url, probe, resolve
-from berth.operator.kube import Conflict, Kube, KubeError
+from berth.operator.kube import Conflict, Kube, KubeError, NotFound
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import RestartPolicy, format_time, parse_time
+from berth.operator.watched import WatchedChildren
 
 SETTLED_PHASES = ("Ready", "Failed", "Sleeping")
 FAST_INTERVAL = 2.0
@@ -63,6 +64,10 @@ def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+class OwnerGone(Exception):
+    """The LLMDeployment this supervisor watches no longer exists (its status cannot be written)."""
+
+
 class Supervisor:
     def __init__(
         self,
@@ -77,8 +82,11 @@ class Supervisor:
         clock: Clock = utc_now,
         wake: Callable[[], None] | None = None,
         problems: ChildProblems | None = None,
+        children: WatchedChildren | None = None,
     ) -> None:
         self.kube = kube
+        # Pods and StatefulSets from the watches (None: listed from the API server each round).
+        self.children = children
         self.http = http
         self.resolver = resolver
         self.metrics = metrics
@@ -154,8 +162,8 @@ class Supervisor:
                 "PodOnLostNode",
                 f"pod {pod_name} was terminating on a node that does not answer: deleted with grace period 0",
             )
-        if lost:
-            pods = await self._own_pods(owner)
+        if lost:  # gone now, whatever the watches have delivered yet
+            pods = [pod for pod in pods if pod["metadata"]["name"] not in lost]
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         previous_worlds = {world.get("index"): world for world in previous_status.get("worlds") or []}
         token = await self._token(owner)
@@ -375,11 +383,14 @@ class Supervisor:
     ) -> None:
         """The activator learns which worlds serve (it forwards its held requests there) and why
         a wake failed (each held request gets that error)."""
-        labels = {naming.DEPLOYMENT: owner.name, naming.ROLE: "activator"}
         deployment = await self.kube.get(
             "apps/v1", "Deployment", owner.namespace, naming.activator_name(owner.name)
         )
-        pods = await self.kube.list("v1", "Pod", owner.namespace, labels) if deployment else []
+        pods = [
+            pod
+            for pod in (await self._children("v1", "Pod", owner) if deployment else [])
+            if (pod["metadata"].get("labels") or {}).get(naming.ROLE) == "activator"
+        ]
         ours = deployment is not None and controlled_by(deployment, owner.uid)
         running = [
             pod
@@ -931,18 +942,23 @@ class Supervisor:
         )
         return not (self.problems.world_conflicts(index) or self.problems.waiting(ref, now) or missing)
 
+    async def _children(self, api_version: str, kind: str, owner: render.Owner) -> list[dict[str, Any]]:
+        """The deployment's objects of `kind` that carry its label: from the watches, or listed."""
+        if self.children is not None:
+            return self.children.of(kind, owner.namespace, owner.name)
+        return await self.kube.list(api_version, kind, owner.namespace, {naming.DEPLOYMENT: owner.name})
+
     async def _own_pods(self, owner: render.Owner) -> list[dict[str, Any]]:
         """The launcher and worker pods of this LLMDeployment: a launcher it controls, a worker its
         StatefulSet controls. A pod that only carries the labels is someone else's (and is never
         polled with the admin token, restarted or deleted)."""
-        selector = {naming.DEPLOYMENT: owner.name}
         statefulsets = {
             sts["metadata"]["uid"]
-            for sts in await self.kube.list("apps/v1", "StatefulSet", owner.namespace, selector)
+            for sts in await self._children("apps/v1", "StatefulSet", owner)
             if controlled_by(sts, owner.uid)
         }
         own = []
-        for pod in await self.kube.list("v1", "Pod", owner.namespace, selector):
+        for pod in await self._children("v1", "Pod", owner):
             role = (pod["metadata"].get("labels") or {}).get(naming.ROLE)
             controller = controller_of(pod) or {}
             if (role == "launcher" and controller.get("uid") == owner.uid) or (
@@ -976,9 +992,12 @@ class Supervisor:
         if all(previous.get(key) == value for key, value in new.items()):
             return
         patch = {key: _with_deletions(previous.get(key), value) for key, value in new.items()}
-        await self.kube.patch(
-            API_VERSION, KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status"
-        )
+        try:
+            await self.kube.patch(
+                API_VERSION, KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status"
+            )
+        except NotFound:
+            raise OwnerGone(f"{meta['namespace']}/{meta['name']}") from None
         self._written = {**previous, **new}
 
 

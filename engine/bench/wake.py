@@ -146,7 +146,7 @@ async def _bench(args: argparse.Namespace) -> int:
          "--admin-port", str(admin_port), "--wake-timeout", str(args.startup_timeout)],
         env,
     )  # fmt: skip
-    admin: Address = ("127.0.0.1", admin_port)
+    admin = Address("127.0.0.1", admin_port)
     public = f"http://127.0.0.1:{activator_port}"
     worlds: list[_Process] = []
     demand = asyncio.Event()
@@ -175,7 +175,7 @@ async def _bench(args: argparse.Namespace) -> int:
         worlds.append(world)
         url = f"http://127.0.0.1:{port}"
         await _ready(http, url, world, args.startup_timeout)
-        return url, ("127.0.0.1", port), time.monotonic() - started
+        return url, Address("127.0.0.1", port), time.monotonic() - started
 
     async with httpx.AsyncClient() as http:
         watcher = DemandWatcher(http, demand.set, LOGGER)

@@ -3,6 +3,7 @@ emulator; how long until every child of every one exists and every status is wri
 spec change across all of them: how long until every world runs pods of the new spec.
 
     .venv/bin/python tests/operator/bench_operator_scale.py [--count 100] [--operator in-process]
+        [--pods-from watch|list|both] [--steady 60]
 
 By default the operator runs as it is deployed: `berth operator` in a process of its own (kopf
 over HTTP to the emulator). The emulator, the StatefulSet controller and the stand-in kubelet
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from berth.operator import naming, render  # noqa: E402
 from berth.operator.crd_model import parse_spec  # noqa: E402
 from tests.support.cluster import Cluster, ClusterSim, running_cluster  # noqa: E402
 from tests.support.operator_runner import running_operator  # noqa: E402
+from tests.support.rbac import attributes  # noqa: E402
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
 LLMD_PATH = "/apis/berth.dev/v1alpha1/namespaces/default/llmdeployments"
@@ -51,7 +54,10 @@ RESOURCES = {
     "Pod": "v1/pods",
     "Deployment": "apps/v1/deployments",
     "Secret": "v1/secrets",
+    "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
+    "PodGroup": "scheduling.x-k8s.io/v1alpha1/podgroups",
 }
+OPERATOR_AGENTS = ("kopf/", "berth-operator")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -77,6 +83,18 @@ def expected_children(names: list[str], spec: dict[str, Any]) -> set[tuple[str, 
             for secret in (naming.engine_key_secret, naming.admin_token_secret, naming.ssh_secret)
         }
     return wanted
+
+
+def operator_requests(cluster: Cluster) -> Counter[str]:
+    """The operator's API requests so far, by verb and resource (the emulator keeps them all)."""
+    counts: Counter[str] = Counter()
+    for request in list(cluster.emulator):
+        if not request.headers.get("User-Agent", "").startswith(OPERATOR_AGENTS):
+            continue
+        wanted = attributes(request)
+        if wanted is not None:
+            counts[f"{wanted.verb} {wanted.resource}"] += 1
+    return counts
 
 
 def cpu_of(pid: int) -> float:
@@ -147,10 +165,13 @@ def on_new_spec(cluster: Cluster, names: list[str]) -> bool:
     return True
 
 
-async def bench(count: int, mode: str) -> None:
+async def bench(count: int, mode: str, steady: float, listed: bool) -> None:
     example = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     names = [f"bench-{index:03d}" for index in range(count)]
     wanted = expected_children(names, example["spec"])
+    unknown = {kind for kind, _ in wanted} - RESOURCES.keys()
+    if unknown:  # a child this bench would wait for and never see
+        raise SystemExit(f"bench_operator_scale: add {sorted(unknown)} to RESOURCES")
 
     def document(name: str) -> dict[str, Any]:
         doc = copy.deepcopy(example)
@@ -161,7 +182,11 @@ async def bench(count: int, mode: str) -> None:
         async with running_cluster(Path(tmp)) as cluster:
             os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
             log = Path(tmp) / "operator.log"
-            operator = operator_process(cluster, log) if mode == "process" else running_operator(cluster)
+            operator = (
+                operator_process(cluster, log)
+                if mode == "process"
+                else running_operator(cluster, **({"list_children": True} if listed else {}))
+            )
             async with LoopbackSim(cluster, interval=0.2).running(), operator as handle:
                 pid = handle if mode == "process" else None
                 # Warm-up (not measured): the operator is up and has reconciled one deployment.
@@ -190,6 +215,11 @@ async def bench(count: int, mode: str) -> None:
                 await asyncio.gather(*(cluster.api("PATCH", f"{LLMD_PATH}/{name}", change) for name in names))
                 rolled_at = await until(lambda: on_new_spec(cluster, names), 600, rollout_started)
                 cpu_rolled = (own_cpu(), cpu_of(pid) if pid else 0.0)
+                # Steady state: what the operator asks of the API server while nothing changes
+                # (its engine polls go to the launchers, not to the API server).
+                requests_before = operator_requests(cluster)
+                await asyncio.sleep(steady)
+                per_minute = operator_requests(cluster) - requests_before
                 # Measured. Stopping kopf cancels 100 daemons mid-poll: expected, not worth warnings.
                 logging.getLogger("kopf").setLevel(logging.CRITICAL)
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -207,7 +237,10 @@ async def bench(count: int, mode: str) -> None:
             f"{here:.1f} s ({100 * here / total:.0f} %)"
         )
 
-    print(f"operator: {'its own process (berth operator)' if mode == 'process' else 'in-process'}")
+    reads = "LISTed every round (the code before watches)" if listed else "from the watches"
+    print(
+        f"operator: {'its own process (berth operator)' if mode == 'process' else 'in-process'}; pods {reads}"
+    )
     print(
         f"{count} LLMDeployments ({len(wanted)} children: {len(wanted) // count} each) created in "
         f"{created:.2f} s; all children exist after {when(children_at)}; all statuses observed after "
@@ -217,16 +250,33 @@ async def bench(count: int, mode: str) -> None:
         f"rollout (a spec change on all {count}, 2 worlds each, none Ready: each replaced at once): every "
         f"world on the new spec after {when(rolled_at)}; {split(cpu_after, cpu_rolled)}"
     )
+    scale = 60.0 / steady / count
+    top = ", ".join(f"{what} {n * scale:.1f}" for what, n in per_minute.most_common(6))
+    print(
+        f"steady state ({steady:.0f} s, nothing changing): {sum(per_minute.values()) * scale:.1f} API "
+        f"requests per deployment per minute ({top})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--operator", choices=("process", "in-process"), default="process")
+    parser.add_argument("--steady", type=float, default=60.0, help="seconds of steady state measured")
+    parser.add_argument(
+        "--pods-from",
+        choices=("watch", "list", "both"),
+        default="watch",
+        help="how the health rounds read pods and StatefulSets: the watches' cache, a LIST every round "
+        "(the code before watches, in-process only), or both one after the other in this run",
+    )
     args = parser.parse_args()
+    if args.pods_from != "watch" and args.operator == "process":
+        parser.error("--pods-from list|both needs --operator in-process (a setting of the operator's memo)")
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kopf").setLevel(logging.WARNING)
-    asyncio.run(bench(args.count, args.operator))
+    for listed in {"watch": [False], "list": [True], "both": [True, False]}[args.pods_from]:
+        asyncio.run(bench(args.count, args.operator, args.steady, listed))
 
 
 if __name__ == "__main__":

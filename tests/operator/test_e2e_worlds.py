@@ -33,7 +33,7 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from berth.operator import naming
+from berth.operator import naming, render
 from tests.engine.conftest import hf_greedy
 from tests.support import e2e
 from tests.support.cluster import Cluster
@@ -58,7 +58,7 @@ async def test_the_rendered_pods_run_and_a_launcher_that_cannot_start_is_visible
         )
         workers = llmd.executions("worker")
         assert {e.pod for e in workers} >= {"tiny-w0-0", "tiny-w0-1"}
-        assert all(e.argv == ["/usr/sbin/sshd", "-De"] for e in workers)
+        assert all(e.argv == list(render.WORKER_COMMAND) for e in workers)
 
         # The launcher ran its rendered command, which refused a model it cannot find: the pod
         # failed with its exit code and its error; the world restarted once, then gave up.

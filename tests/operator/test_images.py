@@ -41,7 +41,8 @@ def test_the_image_has_what_the_test_kubelet_mirrors(dockerfile: Path) -> None:
     assert "openssh-server" in runs
     assert f"useradd --uid {image.UID} --user-group --create-home --shell /bin/bash {image.USER}" in runs
     assert f"usermod --password '*' {image.USER}" in runs
-    assert "ssh-keygen -A" in runs
+    # No host key in the image: openssh-server's are removed, each worker pod makes its own.
+    assert "ssh-keygen" not in runs and "rm -f /etc/ssh/ssh_host_*_key" in runs
     made = re.search(r"mkdir -p ([^&]+)", runs)
     assert made is not None
     assert set(made[1].split()) | {image.HOME} == set(image.DIRECTORIES)  # useradd makes the home
@@ -86,7 +87,9 @@ def test_the_users_and_paths_agree_with_the_operator() -> None:
     client = (ROOT / "images" / "ssh_config").read_text()
     assert f"IdentityFile {naming.SSH_DIR}/{render.SSH_PRIVATE_KEY}" in client
     assert naming.HOSTFILE_DIR in image.DIRECTORIES and naming.SSH_DIR in image.DIRECTORIES
-    assert list(render.WORKER_COMMAND) == [str(image.SSHD), "-De"]
+    assert str(image.SSHD) == render.SSHD and render.WORKER_COMMAND[-1].endswith(f"exec {image.SSHD} -De")
+    assert re.search(r"^PermitRootLogin no$", sshd, re.M)  # mpirun logs in as the image's user
+    assert re.search(rf"^HostKey {render.SSH_HOST_KEY}$", sshd, re.M)  # the key the pod makes
 
 
 def test_the_build_context_leaves_out_what_is_not_the_image() -> None:

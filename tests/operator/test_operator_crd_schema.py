@@ -164,6 +164,36 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("quantity not a quantity", with_spec(resources={"limits": {"memory": "lots"}}), "'lots' does not match"),
     (
+        "an env value and a valueFrom",
+        with_spec(
+            env=[{"name": "K", "value": "x", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]
+        ),
+        "an env variable takes value or valueFrom, not both",
+    ),
+    (
+        "an env valueFrom with two sources",
+        with_spec(
+            env=[
+                {
+                    "name": "K",
+                    "valueFrom": {
+                        "secretKeyRef": {"name": "s", "key": "k"},
+                        "configMapKeyRef": {"name": "c", "key": "k"},
+                    },
+                }
+            ]
+        ),
+        "valueFrom takes exactly one of secretKeyRef and configMapKeyRef",
+    ),
+    ("an env valueFrom with no source", with_spec(env=[{"name": "K", "valueFrom": {}}]), "exactly one of"),
+    (
+        "an env variable berth sets",
+        with_spec(
+            env=[{"name": "BERTH_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+        ),
+        "env may not set BERTH_ADMIN_TOKEN, BERTH_ENGINE_KEY, BERTH_WORLD: berth sets them",
+    ),
+    (
         "gpus in resources",
         with_spec(resources={"limits": {"nvidia.com/gpu": 2}}),
         "do not set nvidia.com/gpu in resources: the operator requests gpusPerNode GPUs per worker pod",
@@ -296,7 +326,7 @@ def test_bad_documents_are_rejected_with_the_expected_message(
 
 def test_every_cel_rule_compiles_and_has_a_message() -> None:
     rules = list(rule_sites(SCHEMA))
-    assert len(rules) == 16  # the container-template rule once per role
+    assert len(rules) == 19  # the container-template rule once per role
     for _, rule in rules:
         cel_rules.program(rule["rule"])  # raises RuleError when cel-python cannot compile it
         assert rule.get("message"), f"rule without a message: {rule['rule']}"

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from berth.operator import handlers
 from berth.operator.kube import Kube
 from tests.support.cluster import Cluster, ClusterSim, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
@@ -124,6 +125,8 @@ async def test_the_operator_runs_under_exactly_the_shipped_rules(
     cluster.emulator.operator_agents = OPERATOR_AGENTS
     doc = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     doc["spec"]["health"] = {"intervalSeconds": 1, "timeoutSeconds": 1}
+    # As an older operator left it: this one takes the finalizer off (`patch`), puts none on.
+    doc["metadata"]["finalizers"] = [handlers.FINALIZER]
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(doc))
 
     def phase() -> str:
@@ -135,6 +138,7 @@ async def test_the_operator_runs_under_exactly_the_shipped_rules(
     async with running_operator(cluster, fleet.resolve, clusterwide=clusterwide):
         await cluster.kubectl("apply", "--validate=false", "-f", str(tmp_path / "llama.yaml"))
         await wait_for(lambda: phase() == "Ready", START_TIMEOUT, "Ready")
+        assert not cluster.get(LLMD, "llama")["metadata"].get("finalizers")
         await patch_spec({"replicas": 1, "frontends": 0})
         await wait_for(lambda: cluster.names("apps/v1/deployments") == [], 10, "frontends pruned")
         await patch_spec({"image": "registry.example.com/berth:0.2.0"})  # replaces the world

@@ -160,7 +160,10 @@ def test_worker_statefulset() -> None:
     (pack,) = pod["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert pack["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     (container,) = pod["containers"]
-    assert container["command"] == ["/usr/sbin/sshd", "-De"]
+    # sshd in the foreground, after making the pod's own host key.
+    assert container["command"][:2] == ["/bin/sh", "-c"]
+    assert container["command"][2].endswith("&& exec /usr/sbin/sshd -De")
+    assert "ssh-keygen -q -t ed25519 -N '' -f /etc/ssh/berth/ssh_host_ed25519_key" in container["command"][2]
     assert container["image"] == "berth:1" and container["imagePullPolicy"] == "IfNotPresent"
     assert container["resources"] == {
         "requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},
@@ -172,7 +175,15 @@ def test_worker_statefulset() -> None:
         {"name": "model", "mountPath": "/models", "readOnly": True},
     ]
     assert pod["volumes"] == [
-        {"name": "ssh", "secret": {"secretName": "llama-ssh", "defaultMode": 0o400}},
+        # Workers only let the launcher's key in: they never hold the private key.
+        {
+            "name": "ssh",
+            "secret": {
+                "secretName": "llama-ssh",
+                "defaultMode": 0o400,
+                "items": [{"key": "authorized_keys", "path": "authorized_keys"}],
+            },
+        },
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
     ]
@@ -237,6 +248,9 @@ def test_launcher_pod() -> None:
     }
     assert body["volumes"][0] == {"name": "hostfile", "configMap": {"name": "llama-w1-hostfile"}}
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in body["volumes"]
+    # mpirun's ssh needs the private key only; the authorized_keys are the workers'.
+    (ssh,) = [volume["secret"] for volume in body["volumes"] if volume["name"] == "ssh"]
+    assert ssh["items"] == [{"key": "id_ed25519", "path": "id_ed25519"}]
     assert body["securityContext"] == {
         "fsGroup": 1000,
         "seccompProfile": {"type": "RuntimeDefault"},

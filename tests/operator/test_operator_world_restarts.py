@@ -18,10 +18,12 @@ import httpx
 import yaml
 from prometheus_client import REGISTRY
 
+from berth.operator.kube import Kube
 from berth.operator.restarts import parse_time
 from tests.support.cluster import Cluster, ClusterSim, sampling, wait_for
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
 from tests.support.operator_runner import running_operator
+from tests.support.rbac import attributes
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
 EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "llmdeployment.yaml"
@@ -45,6 +47,18 @@ def world(cluster: Cluster) -> dict[str, Any]:
 def condition(cluster: Cluster, kind: str) -> dict[str, Any]:
     status = (cluster.get(LLMD, "llama") or {}).get("status") or {}
     return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+def lists_of_pods(cluster: Cluster) -> int:
+    """LISTs of pods or StatefulSets the operator has sent (its watches are not counted)."""
+    return sum(
+        1
+        for request in list(cluster.emulator)
+        if request.headers.get("User-Agent", "").startswith(("kopf/", Kube.USER_AGENT))
+        and (wanted := attributes(request)) is not None
+        and wanted.verb == "list"
+        and wanted.resource in ("pods", "statefulsets")
+    )
 
 
 def uid(cluster: Cluster, pod: str) -> str | None:
@@ -102,6 +116,17 @@ async def test_kill_9_of_the_engine_restarts_the_whole_world(
         await apply_small_example(cluster, tmp_path)
         await wait_for(lambda: ready_after(cluster, 0), START_TIMEOUT, "the world Ready")
         old = {pod: uid(cluster, pod) for pod in ("llama-w0-launcher", "llama-w0-0", "llama-w0-1")}
+        # The health rounds (1 s apart) read pods and StatefulSets from the watches: no LIST.
+        listed = lists_of_pods(cluster)
+        polls = REGISTRY.get_sample_value(
+            "berth_operator_health_probe_duration_seconds_count", {"result": "alive"}
+        )
+        await asyncio.sleep(3.5)
+        assert lists_of_pods(cluster) == listed
+        polled = REGISTRY.get_sample_value(
+            "berth_operator_health_probe_duration_seconds_count", {"result": "alive"}
+        )
+        assert polled >= polls + 3
 
         pid = await fleet.for_pod("llama-w0-launcher").kill_engine()
         await wait_for(lambda: ready_after(cluster, 1), START_TIMEOUT, "Ready after one restart")

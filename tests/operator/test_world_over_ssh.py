@@ -1,10 +1,12 @@
 """The pods the operator renders, run by the test kubelet: worker pods run the image's real
 `sshd -De` with the operator's SSH key pair, and mpirun in a launcher-like pod (the rendered
 launcher pod with mpirun as its command) starts the ranks in the worker pods over SSH, by the
-DNS names of the hostfile the operator wrote, as the image's non-root user."""
+DNS names of the hostfile the operator wrote, as the image's non-root user. Each worker made its
+own host key when it started (the image has none), and its sshd refuses root."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,17 @@ def ready(cluster: Cluster, name: str) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
+async def run(*argv: str) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), 20)
+    assert process.returncode is not None
+    return process.returncode, out.decode()
+
+
 async def test_mpirun_starts_the_ranks_in_the_worker_pods_over_ssh(
-    cluster: Cluster, controllers: ClusterSim, kubelet: Kubelet
+    cluster: Cluster, controllers: ClusterSim, kubelet: Kubelet, tmp_path: Path
 ) -> None:
     # An LLMDeployment to own the children (no operator runs here: the renderer's output is
     # applied as it is, so the garbage collector keeps it).
@@ -55,8 +66,9 @@ async def test_mpirun_starts_the_ranks_in_the_worker_pods_over_ssh(
     )
     owner = render.Owner(name="mpi", namespace="default", uid=parent["metadata"]["uid"])
     spec = parse_spec(raw_spec, "mpi")
+    key_pair = credentials.new_ssh_key_pair("mpi")
     secrets = [
-        render.ssh_secret(owner, credentials.new_ssh_key_pair("mpi")),
+        render.ssh_secret(owner, key_pair),
         render.engine_key_secret(owner, credentials.new_engine_key()),
         render.admin_token_secret(owner, credentials.new_admin_token()),
     ]
@@ -107,3 +119,23 @@ async def test_mpirun_starts_the_ranks_in_the_worker_pods_over_ssh(
         kubelet.resolve("default", launcher_host)
         == cluster.get("v1/pods", "mpi-w0-launcher")["status"]["podIP"]
     )
+
+    # Each worker's own host key, made at its start; the launcher's key lets in the image's user,
+    # never root.
+    key = tmp_path / "id_ed25519"
+    key.write_text(key_pair.private_openssh)
+    key.chmod(0o600)
+    ssh_options = ["-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
+    ssh_options += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR"]
+    host_keys = set()
+    for worker in ("mpi-w0-0", "mpi-w0-1"):
+        address = (cluster.get("v1/pods", worker) or {})["status"]["podIP"]
+        code, scanned = await run("ssh-keyscan", "-t", "ed25519", "-T", "5", address)
+        assert code == 0 and "ssh-ed25519" in scanned, scanned
+        host_keys.add(scanned.split()[-1])
+        assert (await run("ssh", *ssh_options, f"berth@{address}", "id -u"))[1].strip() == "1000"
+        assert (await run("ssh", *ssh_options, f"root@{address}", "id -u"))[0] != 0
+        # The worker holds no private key: only the public half it lets in.
+        listed = (await run("ssh", *ssh_options, f"berth@{address}", f"ls -A {naming.SSH_DIR}"))[1]
+        assert listed.split() == [render.SSH_AUTHORIZED_KEYS]
+    assert len(host_keys) == 2

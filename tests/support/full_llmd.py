@@ -60,7 +60,17 @@ SPEC: dict[str, Any] = {
     "gpusPerNode": 1,
     "frontends": 1,
     "engineArgs": ["--max-num-seqs=64"],
-    "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+    "env": [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {
+            "name": "BERTH_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "api", "key": "key", "optional": False}},
+        },
+        {
+            "name": "HF_ENDPOINT",
+            "valueFrom": {"configMapKeyRef": {"name": "hub", "key": "endpoint", "optional": True}},
+        },
+    ],
     "resources": {"requests": {"cpu": "4", "memory": "48Gi"}, "limits": {"memory": "48Gi"}},
     "launcherResources": {"requests": {"cpu": "1"}, "limits": {"memory": "8Gi"}},
     "nodeSelector": {"nvidia.com/gpu.present": "true"},

@@ -9,7 +9,6 @@ from the same files, and tests/operator/test_images.py checks that both say the 
   pip install berth[mpi] into /opt/berth       the test venv (its bin/ leads the pods' PATH)
   useradd --uid 1000 berth, password '*'       passwd / group / shadow entries in the layer
   COPY images/sshd_config, images/ssh_config   the same files, to the same paths
-  ssh-keygen -A                                host keys in the layer
   mkdir /run/sshd /etc/berth/...               the same directories in the layer
 """
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +29,10 @@ FILES = {
     "images/sshd_config": "/etc/ssh/sshd_config.d/berth.conf",
     "images/ssh_config": "/etc/ssh/ssh_config.d/berth.conf",
 }
-# Directories the image creates: sshd's privilege separation directory, the mount points of the
+# Directories the image creates: sshd's privilege separation directory, where a worker makes its
+# host key (this machine's own host keys in /etc/ssh are never used), the mount points of the
 # operator's volumes, the user's home.
-DIRECTORIES = ("/run/sshd", "/etc/berth/ssh", "/etc/berth/hostfile", HOME)
+DIRECTORIES = ("/run/sshd", "/etc/ssh/berth", "/etc/berth/ssh", "/etc/berth/hostfile", HOME)
 # Machine directories the layer is laid over (copy-on-write, per container).
 LAYERED = ("/etc", "/home", "/run")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -146,6 +145,6 @@ def build_image(root: Path) -> Image:
         layer.mkdir(exist_ok=True)
         os.chmod(layer, 0o711)
     os.chown(root / HOME.lstrip("/"), UID, UID)
+    # No host keys: the worker's command makes its own when the pod starts.
     (etc / "ssh").mkdir(exist_ok=True)
-    subprocess.run(["ssh-keygen", "-A", "-f", str(root)], check=True, capture_output=True, timeout=60)
     return Image(root, layered=(*LAYERED, *opened))

@@ -202,12 +202,25 @@ class Scheduler:
             await self.cluster.api("POST", "/api/v1/nodes", obj)
 
     async def lose(self, name: str) -> None:
-        """The node stops answering: NotReady, so nothing new is bound to it."""
+        """The node stops answering: NotReady, so nothing new is bound to it, and its pods are
+        marked not Ready, as Kubernetes' node lifecycle controller does (no kubelet is left to
+        say otherwise)."""
         await self.cluster.api(
             "PATCH",
             f"/api/v1/nodes/{name}/status",
             {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "NodeStatusUnknown"}]}},
         )
+        for pod in self.cluster.objects("v1/pods", None):
+            if pod["spec"].get("nodeName") != name:
+                continue
+            meta = pod["metadata"]
+            not_ready = {"type": "Ready", "status": "False", "reason": "NodeNotReady"}
+            with contextlib.suppress(AssertionError):  # gone meanwhile
+                await self.cluster.api(
+                    "PATCH",
+                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+                    {"status": {"conditions": [not_ready]}},
+                )
 
     def lost_nodes(self) -> set[str]:
         """Names of the nodes whose Ready condition is not True."""
