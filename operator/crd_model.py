@@ -121,7 +121,9 @@ class ModelVolume(_Model):
     mount_path: str = Field(pattern=r"^/")
     """Absolute path the volume is mounted at; model.path must lie under it."""
     persistent_volume_claim: PVCSource | None = None
-    """A PersistentVolumeClaim in the same namespace holding the weights."""
+    """A PersistentVolumeClaim in the same namespace holding the weights. Every launcher and worker
+    pod mounts it at once, on many nodes: ReadOnlyMany or ReadWriteMany (a ReadWriteOnce claim
+    mounted by several pods is the warning condition ModelVolumeNotShareable)."""
     host_path: HostPathSource | None = None
     """A directory on every node (single-node and test clusters)."""
     nfs: NFSSource | None = None
@@ -386,7 +388,8 @@ class RolloutSpec(_Model):
     max_unavailable: int = Field(default=1, ge=1)
     """Worlds that may be out of service at once during a rollout."""
     drain_timeout_seconds: int = Field(default=300, ge=0)
-    """How long in-flight requests may finish before a world is replaced."""
+    """How long in-flight requests may finish before a world is replaced, and after a launcher or
+    frontend pod is stopped (its termination grace period is this plus 30 s)."""
     in_place_weight_swap: bool = False
     """When only the model changes, swap weights through sleep level 2 + wakeup, no pod restart."""
 

@@ -32,6 +32,7 @@ PLURALS = {
     "PodGroup": "podgroups",  # scheduler-plugins' and Volcano's (operator/gang.py)
     "PodDisruptionBudget": "poddisruptionbudgets",
     "Node": "nodes",
+    "PersistentVolumeClaim": "persistentvolumeclaims",  # the model volume's (operator/model_volume.py)
 }
 
 MERGE_PATCH = "application/merge-patch+json"

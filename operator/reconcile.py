@@ -398,7 +398,9 @@ async def prune(
                 continue
             if unwanted:
                 try:
-                    if await kube.delete(api_version, kind, owner.namespace, live["metadata"]["name"]):
+                    # A launcher pruned here has nothing to drain (its world drained or was released).
+                    grace = render.stop_grace_seconds(spec) if kind == "Pod" else None
+                    if await kube.delete(api_version, kind, owner.namespace, live["metadata"]["name"], grace):
                         outcome.deleted.append(ref)
                         outcome.succeeded.append(ref)
                 except KubeError as exc:

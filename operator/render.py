@@ -51,6 +51,11 @@ POD_USER = 1000
 # switch to the login user, chroot its privilege-separated child, signal the session it started.
 SSHD_CAPABILITIES = ("NET_BIND_SERVICE", "SETUID", "SETGID", "SYS_CHROOT", "KILL", "CHOWN", "AUDIT_WRITE")
 STARTUP_PROBE_PERIOD = 5
+READINESS_PROBE_PERIOD = 2
+READINESS_FAILURE_THRESHOLD = 3
+# What a serving pod needs beyond the drain before SIGKILL: writing out the last answers (2 s),
+# shutting the engine down (the MPI world's ranks, the proxy) and releasing the GPUs.
+TERMINATION_MARGIN_SECONDS = 30
 # The share of what a pod's memory limit leaves (after the weights, a profiled step and the
 # engine's headroom) that the engine's KV pool may take: the rest is what the operator reserves
 # for the pod's other processes (sshd, MPI's proxies, the HTTP server's growth under load).
@@ -219,19 +224,24 @@ def _model_volumes(spec: LLMDeploymentSpec) -> tuple[list[dict[str, Any]], list[
 
 
 def _http_probes(spec: LLMDeploymentSpec) -> dict[str, Any]:
-    # Readiness follows the engine's admission (a parked engine leaves the Service); liveness
-    # only says the HTTP process answers (the operator, not the kubelet, judges the engine).
-    # The startup probe gives the model load `health.startupTimeoutSeconds` before liveness
-    # counts (a large model on a slow volume needs far more than the default). Each check may take
-    # 3 s, not the default 1: a busy engine's answer is late, not missing, and one late readiness
-    # answer would take a serving world out of the Service.
+    # Readiness follows the engine's admission (a parked or draining engine answers 503 at once
+    # and leaves the Service); liveness only says the HTTP process answers (the operator, not the
+    # kubelet, judges the engine). Readiness needs three failed checks in a row, so one slow answer
+    # of a busy engine does not take a serving world out of the Service; checking every 2 s keeps
+    # a parked engine's exit as quick as one failure every 5 s was (at most 6 s, during which the
+    # engine answers new requests 503 + Retry-After). Each check may take 3 s, not the default 1:
+    # a busy engine's answer is late, not missing. The startup probe gives the model load
+    # `health.startupTimeoutSeconds` before liveness counts (a large model on a slow volume needs
+    # far more than the default); it starts with the container, after scheduling and its image
+    # pull, and without a gang scheduler the launcher is created only once its workers have nodes
+    # (gang.launcher_may_start), so neither eats that budget.
     startup_checks = -(-spec.health.startup_timeout_seconds // STARTUP_PROBE_PERIOD)
     return {
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": "http"},
-            "periodSeconds": 5,
+            "periodSeconds": READINESS_PROBE_PERIOD,
             "timeoutSeconds": 3,
-            "failureThreshold": 1,
+            "failureThreshold": READINESS_FAILURE_THRESHOLD,
         },
         "livenessProbe": {
             "httpGet": {"path": "/live", "port": "http"},
@@ -245,6 +255,31 @@ def _http_probes(spec: LLMDeploymentSpec) -> dict[str, Any]:
             "failureThreshold": startup_checks,
         },
     }
+
+
+def _shutdown_timeout(spec: LLMDeploymentSpec) -> list[str]:
+    """A serving process stopped by its pod's deletion (an eviction, a drained node) drains like a
+    world the operator sleeps: its requests in flight get `rollout.drainTimeoutSeconds`. An
+    engineArgs `--shutdown-timeout` comes later on the command line and wins."""
+    return ["--shutdown-timeout", str(spec.rollout.drain_timeout_seconds)]
+
+
+def termination_grace_seconds(spec: LLMDeploymentSpec) -> int:
+    """The grace period of launcher and frontend pods: the drain, then the engine's own shutdown,
+    before the kubelet's SIGKILL. A template's `terminationGracePeriodSeconds` replaces it."""
+    return spec.rollout.drain_timeout_seconds + TERMINATION_MARGIN_SECONDS
+
+
+def stop_grace_seconds(spec: LLMDeploymentSpec) -> int:
+    """The grace period of a world's pods the operator deletes once there is nothing left to drain
+    (a dead or parked world, one released or removed): the margin alone, or a template's shorter
+    grace period."""
+    chosen = [
+        role.template.spec.termination_grace_period_seconds
+        for role in (spec.launcher, spec.workers)
+        if role.template.spec.termination_grace_period_seconds is not None
+    ]
+    return min([TERMINATION_MARGIN_SECONDS, *chosen])
 
 
 def _placement(spec: LLMDeploymentSpec, role: str) -> dict[str, Any]:
@@ -449,7 +484,7 @@ def launcher_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
         command += ["--served-model-name", spec.served_model_name]
     if spec.model.revision:
         command += ["--model-revision", spec.model.revision]
-    return command + list(spec.engine_args)
+    return command + _shutdown_timeout(spec) + list(spec.engine_args)
 
 
 def launcher_model(command: list[str]) -> tuple[str | None, str | None]:
@@ -469,6 +504,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
         # Never: a launcher whose mpirun died cannot rejoin its world; the operator restarts
         # the whole world (launcher and workers together) instead.
         "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         **_placement(spec, "launcher"),
         "securityContext": _pod_security(as_root=False),
         "containers": [
@@ -555,7 +591,7 @@ def frontend_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
         "name": "frontend",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": frontend_command(owner, world),
+        "command": frontend_command(owner, world) + _shutdown_timeout(spec),
         "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT}],
         "env": _secret_env(owner) + _user_env(spec, world),
         "resources": spec.launcher_resources.as_dict(),
@@ -563,14 +599,20 @@ def frontend_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    return _non_root_pod_spec(spec, "frontend", container, spec.frontend.template)
+    grace = termination_grace_seconds(spec)
+    return _non_root_pod_spec(spec, "frontend", container, spec.frontend.template, grace)
 
 
 def _non_root_pod_spec(
-    spec: LLMDeploymentSpec, role: str, container: dict[str, Any], template: pod_template.PodTemplate
+    spec: LLMDeploymentSpec,
+    role: str,
+    container: dict[str, Any],
+    template: pod_template.PodTemplate,
+    grace_seconds: int | None = None,
 ) -> dict[str, Any]:
     """A pod that runs one container as the image's user, with the role's template merged in."""
     pod = {
+        **({"terminationGracePeriodSeconds": grace_seconds} if grace_seconds is not None else {}),
         **_placement(spec, role),
         "securityContext": _pod_security(as_root=False),
         "containers": [container],

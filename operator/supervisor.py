@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -23,6 +23,7 @@ from berth.operator import (
     disruption,
     engine_admin,
     gang,
+    model_volume,
     naming,
     pod_template,
     reconcile,
@@ -112,6 +113,7 @@ class Supervisor:
         self._scheduling_orders: dict[int, str] = {}  # world -> release | resume, this round (gang.py)
         # Conflicting objects and refused writes, shared with the reconcile handler.
         self.problems = problems if problems is not None else ChildProblems()
+        self.model_claim = model_volume.ClaimWatch()
 
     def close(self) -> None:
         """Stop waiting for transitions in flight (the engines finish them on their own; a
@@ -275,6 +277,8 @@ class Supervisor:
             reconciled=reconciled_now,
         )
         conds.append(pod_template.deprecation_condition(spec))  # a warning: nothing is refused
+        claim = await self.model_claim.read(self.kube, namespace, spec, now)
+        conds.append(model_volume.condition(spec, claim))  # a warning too
         ready = sum(1 for world in statuses if world.get("phase") == "Ready")
         self.metrics.set_world_phases(namespace, name, [world["phase"] for world in statuses])
         self.metrics.set_worlds(
@@ -486,7 +490,7 @@ class Supervisor:
                 statuses.append(status)
                 continue
             # Parked, drained, never up, or dead: nothing in flight to wait for.
-            deletion = self.kube.delete("v1", "Pod", owner.namespace, launcher_name)
+            deletion = self._delete_pod(owner, spec, launcher_name)
             if await self._write(index, f"Pod/{launcher_name}", "delete", now, deletion):
                 self.post_event(
                     "Normal", "WorldRemoved", f"world {index} removed: replicas is {spec.replicas}"
@@ -858,6 +862,14 @@ class Supervisor:
             return None
         return "worker"
 
+    def _delete_pod(self, owner: render.Owner, spec: LLMDeploymentSpec, name: str) -> Awaitable[bool]:
+        """Delete a pod of a world that drained already or has nothing to drain (dead, silent,
+        released, parked): the engine gets its shutdown margin, not the launcher's grace period,
+        which is the drain timeout plus that margin for the deletions the operator does not
+        decide (an eviction, a drained node)."""
+        grace = render.stop_grace_seconds(spec)
+        return self.kube.delete("v1", "Pod", owner.namespace, name, grace_seconds=grace)
+
     async def _replace_world(
         self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, doomed: list[str], now: dt.datetime
     ) -> None:
@@ -868,9 +880,7 @@ class Supervisor:
         and without a gang scheduler once the new workers have nodes).
         """
         for name in doomed:
-            await self._write(
-                index, f"Pod/{name}", "delete", now, self.kube.delete("v1", "Pod", owner.namespace, name)
-            )
+            await self._write(index, f"Pod/{name}", "delete", now, self._delete_pod(owner, spec, name))
         world_name = naming.world_name(owner.name, index)
         if self.problems.immutable_statefulset(world_name):
             # Deleted (its pods go with it, background propagation) and created anew from the spec.
@@ -898,9 +908,7 @@ class Supervisor:
             self.post_event(*event)
         if release:
             name = naming.launcher_pod_name(owner.name, index)
-            await self._write(
-                index, f"Pod/{name}", "delete", now, self.kube.delete("v1", "Pod", owner.namespace, name)
-            )
+            await self._write(index, f"Pod/{name}", "delete", now, self._delete_pod(owner, spec, name))
 
     async def _create_launcher(
         self, owner: render.Owner, spec: LLMDeploymentSpec, index: int, now: dt.datetime

@@ -141,9 +141,10 @@ async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
         "--hostfile", "/etc/berth/hostfile/hostfile",
         "--tensor-parallel-size", "2", "--gpus-per-node", "1",
         "--host", "0.0.0.0", "--port", "8000", "--admin-port", "8002", "--attach-port", "8001",
-        "--served-model-name", "llama-3.1-8b-instruct",
+        "--served-model-name", "llama-3.1-8b-instruct", "--shutdown-timeout", "300",
         "--max-num-seqs=64",
     ]  # fmt: skip
+    assert launcher["spec"]["terminationGracePeriodSeconds"] == 330  # the drain timeout + 30 s
     assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
     assert "nvidia.com/gpu" not in str(container["resources"])

@@ -218,7 +218,7 @@ def test_launcher_pod() -> None:
         "berth", "launch", "/models/llama", "--hostfile", "/etc/berth/hostfile/hostfile",
         "--tensor-parallel-size", "4", "--gpus-per-node", "2", "--host", "0.0.0.0", "--port", "8000",
         "--admin-port", "8002", "--attach-port", "8001", "--served-model-name", "llama-8b",
-        "--max-num-seqs=8", "--enable-prefix-caching",
+        "--shutdown-timeout", "300", "--max-num-seqs=8", "--enable-prefix-caching",
     ]  # fmt: skip
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000},
@@ -312,7 +312,7 @@ def test_frontend_deployment() -> None:
     (container,) = template["spec"]["containers"]
     assert container["command"] == [
         "berth", "serve", "--attach", "tcp://launcher.llama-w1.ml.svc:8001",
-        "--host", "0.0.0.0", "--port", "8000",
+        "--host", "0.0.0.0", "--port", "8000", "--shutdown-timeout", "300",
     ]  # fmt: skip
     assert [var["name"] for var in container["env"][:2]] == ["BERTH_ENGINE_KEY", "BERTH_ADMIN_TOKEN"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
@@ -328,6 +328,54 @@ def test_startup_probe_budget_follows_the_spec() -> None:
     assert probe["periodSeconds"] == 5 and probe["failureThreshold"] == 721  # at least 3601 s
     frontend = render.frontend_deployment(OWNER, slow, 0)["spec"]["template"]["spec"]["containers"][0]
     assert frontend["startupProbe"] == probe
+
+
+def serving_pod_specs(raw_spec) -> list[dict[str, Any]]:
+    """The pod specs of the pods in the Service: a launcher and a frontend."""
+    return [
+        render.launcher_pod(OWNER, raw_spec, 0)["spec"],
+        render.frontend_deployment(OWNER, raw_spec, 0)["spec"]["template"]["spec"],
+    ]
+
+
+def test_readiness_tolerates_one_slow_answer_and_still_drops_a_parked_engine_within_6_s() -> None:
+    for pod in serving_pod_specs(spec()):
+        probe = pod["containers"][0]["readinessProbe"]
+        assert probe["failureThreshold"] >= 3  # one late answer does not leave the Service
+        # A parked engine answers 503 at once: out after at most failureThreshold periods, no
+        # later than one failed check every 5 s took it out before.
+        assert probe["periodSeconds"] * probe["failureThreshold"] <= 6
+        assert probe["timeoutSeconds"] == 3
+        assert probe.get("successThreshold", 1) == 1  # a woken engine is back after one answer
+
+
+def test_serving_pods_get_the_drain_timeout_and_a_margin_before_sigkill() -> None:
+    for pod in serving_pod_specs(spec()):
+        assert pod["terminationGracePeriodSeconds"] == 300 + render.TERMINATION_MARGIN_SECONDS
+        command = pod["containers"][0]["command"]
+        assert command[command.index("--shutdown-timeout") + 1] == "300"
+    quick = spec(rollout={"drainTimeoutSeconds": 20})
+    for pod in serving_pod_specs(quick):
+        assert pod["terminationGracePeriodSeconds"] == 20 + render.TERMINATION_MARGIN_SECONDS
+        command = pod["containers"][0]["command"]
+        assert command[command.index("--shutdown-timeout") + 1] == "20"
+    # Workers run sshd, no server that drains: the Kubernetes default.
+    assert "terminationGracePeriodSeconds" not in render.worker_pod_spec(OWNER, spec(), 0)
+    # A template's grace period is the user's word.
+    template = {"template": {"spec": {"terminationGracePeriodSeconds": 45}}}
+    chosen = spec(launcher=template, frontend=template)
+    assert [pod["terminationGracePeriodSeconds"] for pod in serving_pod_specs(chosen)] == [45, 45]
+    # An engineArgs --shutdown-timeout comes after the operator's, so it is the one that counts.
+    own = render.launcher_pod(OWNER, spec(engineArgs=["--shutdown-timeout=10"]), 0)
+    assert own["spec"]["containers"][0]["command"][-1] == "--shutdown-timeout=10"
+
+
+def test_pods_the_operator_deletes_with_nothing_to_drain_get_the_margin_only() -> None:
+    assert render.stop_grace_seconds(spec()) == render.TERMINATION_MARGIN_SECONDS
+    quick = {"template": {"spec": {"terminationGracePeriodSeconds": 5}}}
+    assert render.stop_grace_seconds(spec(workers=quick)) == 5  # never longer than a template's
+    slow = {"template": {"spec": {"terminationGracePeriodSeconds": 600}}}
+    assert render.stop_grace_seconds(spec(launcher=slow)) == render.TERMINATION_MARGIN_SECONDS
 
 
 def test_rendered_as_the_api_server_stores_it() -> None:

@@ -123,5 +123,15 @@ async def test_scale_down_drains_the_removed_worlds_before_their_pods_go(
         "world 2: sleep done",
     ]
     assert cluster.names("v1/configmaps") == ["llama-w0-hostfile"]
+    # Drained already: the launchers went with the engine's shutdown margin, not their pods'
+    # grace period (the drain timeout + that margin, for deletions such as an eviction).
+    launchers = {"llama-w1-launcher", "llama-w2-launcher"}
+    deletions = [
+        request.data
+        for request in list(cluster.emulator)
+        if request.method.value.upper() == "DELETE" and request.resource is not None
+        and request.resource.plural == "pods" and request.name in launchers
+    ]  # fmt: skip
+    assert deletions and all(body["gracePeriodSeconds"] == 30 for body in deletions), deletions
     final = status(cluster)
     assert final["replicas"] == 1 and final["worldsReady"] == "1/1" and final["phase"] == "Ready"
