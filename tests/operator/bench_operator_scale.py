@@ -125,11 +125,14 @@ async def operator_process(cluster: Cluster, log: Path) -> AsyncIterator[int]:
 
 
 async def until(predicate: Callable[[], bool], timeout: float, started: float) -> float | None:
-    """Seconds from `started` until `predicate()` holds (None after `timeout`)."""
+    """Seconds from `started` until `predicate()` holds (None after `timeout`). The checks share
+    this process with the operator: each waits four times what the last one took, so they take
+    at most a fifth of its time (at 1,000 deployments one check takes a second or more)."""
     while time.perf_counter() - started < timeout:
+        checking = time.perf_counter()
         if predicate():
             return time.perf_counter() - started
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(max(0.1, 4 * (time.perf_counter() - checking)))
     return None
 
 
@@ -139,36 +142,47 @@ def observed(cluster: Cluster, names: list[str]) -> bool:
     )
 
 
-def on_new_spec(cluster: Cluster, names: list[str]) -> bool:
-    """Every world of every deployment runs a launcher and workers of its current spec."""
-    pods = {pod["metadata"]["name"]: pod for pod in cluster.objects("v1/pods")}
+Hashes = dict[tuple[str, int], tuple[str, str]]  # (deployment, world) -> launcher's, workers' spec hash
+
+
+def spec_hashes(cluster: Cluster, names: list[str]) -> Hashes:
+    """What each world's pods carry once on the current spec (rendered once, not every check)."""
+    hashes: Hashes = {}
     for name in names:
         raw = cluster.get(LLMD, name)
         spec = parse_spec(raw["spec"], name)
         owner = render.Owner(name=name, namespace="default", uid=raw["metadata"]["uid"])
         for world in range(spec.replicas):
-            wanted = render.launcher_pod(owner, spec, world)["metadata"]["annotations"][naming.SPEC_HASH]
-            launcher = pods.get(naming.launcher_pod_name(name, world))
-            if launcher is None or launcher["metadata"]["annotations"].get(naming.SPEC_HASH) != wanted:
-                return False
-            worker_hash = render.spec_hash(render.worker_pod_spec(owner, spec, world))
-            workers = [
-                pod
-                for pod in pods.values()
-                if pod["metadata"]["name"].startswith(naming.world_name(name, world) + "-")
-                and pod["metadata"].get("labels", {}).get(naming.ROLE) == "worker"
-            ]
-            if len(workers) != spec.nodes_per_world:
-                return False
-            if any(pod["metadata"]["annotations"].get(naming.SPEC_HASH) != worker_hash for pod in workers):
-                return False
-    return True
+            launcher = render.launcher_pod(owner, spec, world)["metadata"]["annotations"][naming.SPEC_HASH]
+            hashes[(name, world)] = (launcher, render.spec_hash(render.worker_pod_spec(owner, spec, world)))
+    return hashes
 
 
-async def bench(count: int, mode: str, steady: float, listed: bool) -> None:
+def on_new_spec(cluster: Cluster, hashes: Hashes, nodes_per_world: int) -> bool:
+    """Every world of every deployment runs a launcher and workers of its current spec."""
+    launchers: dict[tuple[str, int], str | None] = {}
+    workers: dict[tuple[str, int], list[str | None]] = {}
+    for pod in cluster.objects("v1/pods"):
+        labels = pod["metadata"].get("labels") or {}
+        if naming.WORLD not in labels or naming.DEPLOYMENT not in labels:
+            continue
+        world = (labels[naming.DEPLOYMENT], int(labels[naming.WORLD]))
+        carried = pod["metadata"].get("annotations", {}).get(naming.SPEC_HASH)
+        if labels.get(naming.ROLE) == "launcher":
+            launchers[world] = carried
+        elif labels.get(naming.ROLE) == "worker":
+            workers.setdefault(world, []).append(carried)
+    return all(
+        launchers.get(world) == launcher and workers.get(world, []) == [worker] * nodes_per_world
+        for world, (launcher, worker) in hashes.items()
+    )
+
+
+async def bench(count: int, mode: str, steady: float, listed: bool, timeout: float) -> None:
     example = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     names = [f"bench-{index:03d}" for index in range(count)]
     wanted = expected_children(names, example["spec"])
+    nodes_per_world = parse_spec(example["spec"]).nodes_per_world
     unknown = {kind for kind, _ in wanted} - RESOURCES.keys()
     if unknown:  # a child this bench would wait for and never see
         raise SystemExit(f"bench_operator_scale: add {sorted(unknown)} to RESOURCES")
@@ -206,14 +220,17 @@ async def bench(count: int, mode: str, steady: float, listed: bool) -> None:
                 started = time.perf_counter()
                 await asyncio.gather(*(cluster.api("POST", LLMD_PATH, document(name)) for name in names))
                 created = time.perf_counter() - started
-                children_at = await until(lambda: wanted <= existing(), 600, started)
-                observed_at = await until(lambda: observed(cluster, names), 600, started)
+                children_at = await until(lambda: wanted <= existing(), timeout, started)
+                observed_at = await until(lambda: observed(cluster, names), timeout, started)
                 cpu_after = (own_cpu(), cpu_of(pid) if pid else 0.0)
 
                 change = {"spec": {"env": [{"name": "BENCH_ROLLOUT", "value": "1"}]}}
                 rollout_started = time.perf_counter()
                 await asyncio.gather(*(cluster.api("PATCH", f"{LLMD_PATH}/{name}", change) for name in names))
-                rolled_at = await until(lambda: on_new_spec(cluster, names), 600, rollout_started)
+                hashes = spec_hashes(cluster, names)
+                rolled_at = await until(
+                    lambda: on_new_spec(cluster, hashes, nodes_per_world), timeout, rollout_started
+                )
                 cpu_rolled = (own_cpu(), cpu_of(pid) if pid else 0.0)
                 # Steady state: what the operator asks of the API server while nothing changes
                 # (its engine polls go to the launchers, not to the API server).
@@ -225,7 +242,7 @@ async def bench(count: int, mode: str, steady: float, listed: bool) -> None:
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
     def when(seconds: float | None) -> str:
-        return f"{seconds:.2f} s" if seconds is not None else "not within 600 s"
+        return f"{seconds:.2f} s" if seconds is not None else "not within {timeout:.0f} s"
 
     def split(before: tuple[float, float], after: tuple[float, float]) -> str:
         here, there = after[0] - before[0], after[1] - before[1]
@@ -270,13 +287,16 @@ def main() -> None:
         help="how the health rounds read pods and StatefulSets: the watches' cache, a LIST every round "
         "(the code before watches, in-process only), or both one after the other in this run",
     )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds each phase may take (1,000 deployments: 1800)"
+    )
     args = parser.parse_args()
     if args.pods_from != "watch" and args.operator == "process":
         parser.error("--pods-from list|both needs --operator in-process (a setting of the operator's memo)")
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kopf").setLevel(logging.WARNING)
     for listed in {"watch": [False], "list": [True], "both": [True, False]}[args.pods_from]:
-        asyncio.run(bench(args.count, args.operator, args.steady, listed))
+        asyncio.run(bench(args.count, args.operator, args.steady, listed, args.timeout))
 
 
 if __name__ == "__main__":

@@ -391,7 +391,10 @@ def test_a_weight_swap_to_another_tokenizer_sends_the_frontends_to_attach_again(
             endpoint.close()
 
 
-DRAIN_TOKENS = 200  # long enough that the streams still run while the test checks admission
+# Long enough that the first streams still run when the last of the 16 is admitted (CI saw
+# 200-token ones end first on a loaded machine) and while the test checks admission; the
+# 16 fit the owner's 1,024 KV blocks at once.
+DRAIN_TOKENS = LONG
 
 
 def test_sigterm_on_the_owner_drains_every_frontends_streams_then_exits_0(tiny_model):
