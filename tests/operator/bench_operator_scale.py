@@ -242,7 +242,7 @@ async def bench(count: int, mode: str, steady: float, listed: bool, timeout: flo
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
     def when(seconds: float | None) -> str:
-        return f"{seconds:.2f} s" if seconds is not None else "not within {timeout:.0f} s"
+        return f"{seconds:.2f} s" if seconds is not None else f"not within {timeout:.0f} s"
 
     def split(before: tuple[float, float], after: tuple[float, float]) -> str:
         here, there = after[0] - before[0], after[1] - before[1]
