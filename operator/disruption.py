@@ -206,7 +206,12 @@ def plan(
         # evicting: wait for the drain to take the world's pods off the nodes it leaves
         remaining = world.nodes & set(leaving)
         age = (now - parse_time(entry.get("evictingSince") or entry["since"])).total_seconds()
-        if not remaining or age > EVICTION_WAIT_SECONDS:
+        if remaining and not remaining & world.draining:
+            result.orders.append((index, "abort", leaving))
+            result.events.append(
+                ("Normal", "DrainCancelled", f"world {index}: {_names(leaving)} no longer drained: waking it")
+            )
+        elif not remaining or age > EVICTION_WAIT_SECONDS:
             why = (
                 "evicted by the drain"
                 if not remaining
@@ -221,11 +226,6 @@ def plan(
                     "(planned: no restart counted)",
                 )
             )
-        elif not remaining & world.draining:
-            result.orders.append((index, "abort", leaving))
-            result.events.append(
-                ("Normal", "DrainCancelled", f"world {index}: {_names(leaving)} no longer drained: waking it")
-            )
         else:
             result.orders.append((index, "release", tuple(sorted(remaining))))
             result.in_flight.append(dict(entry))
@@ -236,8 +236,9 @@ def plan(
     unavailable = sum(1 for world in worlds if not world.ready) + sum(
         1 for world in worlds if world.index in taken and world.ready
     )
+    handled = taken | {index for index, _, _ in result.orders}  # replaced or woken this round
     waiting = [
-        world for world in worlds if world.draining and world.index not in taken and not world.elsewhere
+        world for world in worlds if world.draining and world.index not in handled and not world.elsewhere
     ]
     # Worlds that serve nothing anyway first: moving them costs no availability.
     for world in sorted(waiting, key=lambda world: (world.ready, world.index)):

@@ -26,6 +26,7 @@ import yaml
 from tests.support.cluster import Cluster, ClusterSim, sampling, wait_for
 from tests.support.drain import cordon, drain
 from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
+from tests.support.kube_emulator import disruptions_allowed
 from tests.support.operator_runner import running_operator
 from tests.support.scheduler import Scheduler, node
 
@@ -130,6 +131,60 @@ async def steady_client(fleet: EngineFleet) -> AsyncIterator[dict[str, Any]]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def pod(name: str, ready: bool = True, app: str = "x", **meta: Any) -> dict[str, Any]:
+    status = "True" if ready else "False"
+    return {
+        "metadata": {"name": name, "namespace": "default", "labels": {"app": app}, **meta},
+        "spec": {"nodeName": "node-a"},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": status}]},
+    }
+
+
+def budget(**spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "b"}, "spec": {"selector": {"matchLabels": {"app": "x"}}, **spec}}
+
+
+def test_the_emulator_counts_disruptions_as_the_disruption_controller_does() -> None:
+    pods = [pod("p0"), pod("p1"), pod("p2"), pod("other", app="y")]
+    assert disruptions_allowed(budget(maxUnavailable=0), pods) == 0
+    assert disruptions_allowed(budget(maxUnavailable=1), pods) == 1
+    assert disruptions_allowed(budget(maxUnavailable="50%"), pods) == 2  # 1.5 pods, rounded up
+    assert disruptions_allowed(budget(minAvailable=2), pods) == 1
+    assert disruptions_allowed(budget(minAvailable="100%"), pods) == 0
+    # An unhealthy pod (not Ready, or terminating) uses up the budget.
+    hurt = [pod("p0", ready=False), pod("p1"), pod("p2", deletionTimestamp="2026-12-05T12:00:00Z")]
+    assert disruptions_allowed(budget(maxUnavailable=1), hurt) == 0
+    assert disruptions_allowed(budget(minAvailable=1), hurt) == 0
+
+
+async def test_the_emulator_evicts_through_budgets_as_an_api_server_does(cluster: Cluster) -> None:
+    for name in ("p0", "p1"):
+        created = await cluster.api("POST", "/api/v1/namespaces/default/pods", {**pod(name), "kind": "Pod"})
+        await cluster.api(
+            "PATCH", f"/api/v1/namespaces/default/pods/{name}/status", {"status": pod(name)["status"]}
+        )
+    await cluster.api(
+        "POST",
+        "/apis/policy/v1/namespaces/default/poddisruptionbudgets",
+        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", **budget(maxUnavailable=1)},
+    )
+
+    async def evict(name: str, uid: str | None = None) -> int:
+        body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name}}
+        if uid:
+            body["deleteOptions"] = {"preconditions": {"uid": uid}}
+        url = f"{cluster.server}/api/v1/namespaces/default/pods/{name}/eviction"
+        async with cluster.session.post(url, json=body) as response:
+            return response.status
+
+    assert await evict("p0", uid="another-pod") == 409
+    assert await evict("p0") == 201  # one of two may go: deleted gracefully (it is bound to a node)
+    assert cluster.get("v1/pods", "p0")["metadata"]["deletionTimestamp"]
+    assert await evict("p1") == 429  # p0 terminating: the budget is spent
+    assert await evict("missing") == 404
+    assert created["metadata"]["name"] == "p1"
 
 
 async def test_a_drain_evicts_one_parked_world_at_a_time_while_the_other_serves(
