@@ -146,6 +146,7 @@ class WorldOnNodes:
     nodes: frozenset[str]  # nodes holding a live (not terminating) launcher or worker pod of it
     draining: frozenset[str]  # those of `nodes` being drained
     elsewhere: bool = False  # a rollout or a restart has it already: not the drain's to take
+    whole: bool = True  # every pod the world came up on still stands
 
 
 @dataclass
@@ -206,29 +207,32 @@ def plan(
         # evicting: wait for the drain to take the world's pods off the nodes it leaves
         remaining = world.nodes & set(leaving)
         age = (now - parse_time(entry.get("evictingSince") or entry["since"])).total_seconds()
-        if remaining and not remaining & world.draining:
+        still_drained = bool(remaining & world.draining)
+        if remaining and not still_drained and world.whole:
             result.orders.append((index, "abort", leaving))
             result.events.append(
                 ("Normal", "DrainCancelled", f"world {index}: {_names(leaving)} no longer drained: waking it")
             )
-        elif not remaining or age > EVICTION_WAIT_SECONDS:
-            why = (
-                "evicted by the drain"
-                if not remaining
-                else f"not evicted within {EVICTION_WAIT_SECONDS:.0f}s"
-            )
-            result.orders.append((index, "replace", leaving))
-            result.events.append(
-                (
-                    "Normal",
-                    "WorldEvicted",
-                    f"world {index}: its pods on {_names(leaving)} {why}: replacing it on other nodes "
-                    "(planned: no restart counted)",
-                )
-            )
+            continue
+        if not remaining:
+            why = "were evicted by the drain"
+        elif not still_drained:
+            why = "were partly evicted before the drain stopped"
+        elif age > EVICTION_WAIT_SECONDS:
+            why = f"were not evicted within {EVICTION_WAIT_SECONDS:.0f}s"
         else:
             result.orders.append((index, "release", tuple(sorted(remaining))))
             result.in_flight.append(dict(entry))
+            continue
+        result.orders.append((index, "replace", leaving))
+        result.events.append(
+            (
+                "Normal",
+                "WorldEvicted",
+                f"world {index}: its pods on {_names(leaving)} {why}: replacing it on other nodes "
+                "(planned: no restart counted)",
+            )
+        )
 
     # Worlds out of service count against maxUnavailable, and so does a world taken that still
     # serves (its park has just begun).

@@ -663,6 +663,9 @@ class Supervisor:
             pod["spec"]["nodeName"] for pod in self._world_pods(index, pods) if pod["spec"].get("nodeName")
         }
         draining = {name for name in held if nodes is not None and disruption.node_draining(nodes.get(name))}
+        live = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in self._world_pods(index, pods)}
+        members = step.status.get("members") or {}
+        whole = all(live.get(name) == identity.partition("/")[0] for name, identity in members.items())
         return disruption.WorldOnNodes(
             index=index,
             ready=bool(step.status.get("ready")),
@@ -672,6 +675,7 @@ class Supervisor:
             nodes=frozenset(held),
             draining=frozenset(draining),
             elsewhere=elsewhere,
+            whole=whole,
         )
 
     async def _carry_out_drain(

@@ -140,6 +140,13 @@ def test_a_released_world_nothing_evicts_is_moved_by_the_operator_and_an_uncordo
     assert result.orders == [(0, "abort", ("a",))] and result.in_flight == []
     parking = [{"world": 0, "step": "parking", "nodes": ["a"], "since": format_time(NOW)}]
     assert disruption.plan([on_nodes(0, {"a"})], parking, 1, NOW, 300).orders == [(0, "abort", ("a",))]
+    # Uncordoned once one of its pods was evicted already: the world is broken, so it is replaced.
+    broken = disruption.WorldOnNodes(
+        0, False, "Evicting", "parked", False, frozenset({"a"}), frozenset(), whole=False
+    )
+    fresh = [{**evicting[0], "evictingSince": format_time(NOW)}]
+    result = disruption.plan([broken], fresh, 1, NOW, 300)
+    assert result.orders == [(0, "replace", ("a",))] and "partly evicted" in result.events[0][2]
 
 
 def test_a_node_is_being_drained_when_cordoned_or_tainted_for_removal() -> None:

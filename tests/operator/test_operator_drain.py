@@ -52,17 +52,24 @@ def manifest() -> dict[str, Any]:
 
 
 @pytest.fixture
-async def scheduled(cluster: Cluster, fleet: EngineFleet) -> AsyncIterator[Scheduler]:
-    """Two nodes (the scheduler fills node-a first), the controllers, a kubelet that runs bound
-    pods, and the operator."""
+async def nodes(cluster: Cluster, fleet: EngineFleet) -> AsyncIterator[Scheduler]:
+    """Two nodes (the scheduler fills node-a first), the controllers and a kubelet that runs
+    bound pods."""
     scheduler = Scheduler(cluster, [node("node-a"), node("node-b")])
     await scheduler.create_nodes()
     fleet.read_secret = lambda namespace, name: cluster.get("v1/secrets", name, namespace)
     sim = ClusterSim(
         cluster, on_pod_start=fleet.on_pod_start, on_pod_stop=fleet.on_pod_stop, scheduler=scheduler
     )
-    async with sim.running(), running_operator(cluster, fleet.resolve):
+    async with sim.running():
         yield scheduler
+
+
+@pytest.fixture
+async def scheduled(cluster: Cluster, nodes: Scheduler, fleet: EngineFleet) -> AsyncIterator[Scheduler]:
+    """The nodes and the operator."""
+    async with running_operator(cluster, fleet.resolve):
+        yield nodes
 
 
 def worlds(cluster: Cluster) -> list[dict[str, Any]]:
@@ -278,3 +285,33 @@ async def test_a_world_on_a_cordoned_node_that_is_uncordoned_is_woken_where_it_i
         for pod in cluster.objects("v1/pods")
         if "berth.dev/evictable" in (pod["metadata"].get("labels") or {})
     ]
+
+
+async def test_an_operator_restarted_mid_drain_resumes_from_status_without_counting_a_restart(
+    cluster: Cluster, nodes: Scheduler, fleet: EngineFleet, tmp_path: Path
+) -> None:
+    doc = manifest()
+    doc["spec"]["replicas"] = 1
+    (tmp_path / "solo.yaml").write_text(yaml.safe_dump(doc))
+
+    def step() -> str | None:
+        memory = ((cluster.get(LLMD, NAME) or {}).get("status") or {}).get("disruption") or {}
+        return ((memory.get("inFlight") or [{}])[0]).get("step")
+
+    async with running_operator(cluster, fleet.resolve):
+        await cluster.kubectl("apply", "--validate=false", "-f", str(tmp_path / "solo.yaml"))
+        await wait_for(lambda: [w.get("phase") for w in worlds(cluster)] == ["Ready"], START_TIMEOUT, "Ready")
+        await cordon(cluster, "node-a")
+        await wait_for(lambda: step() == "evicting", 30, "the world parked and released to the drain")
+    # The operator is gone; the drain evicts the released pods meanwhile.
+    drained = await drain(cluster, "node-a", timeout=10)
+    assert sorted(pod for _, pod in drained.evicted) == [f"{NAME}-w0-0", f"{NAME}-w0-launcher"]
+    async with running_operator(cluster, fleet.resolve):
+        await wait_for(
+            lambda: [w.get("phase") for w in worlds(cluster)] == ["Ready"] and step() is None,
+            START_TIMEOUT,
+            "the world back, replaced by the new operator",
+        )
+    assert set(placed(cluster).values()) == {"node-b"}
+    assert worlds(cluster)[0].get("restarts", 0) == 0
+    assert len(cluster.event_messages("WorldEvicted")) == 1
