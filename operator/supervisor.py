@@ -216,38 +216,10 @@ class Supervisor:
             statuses.append(step.status)
 
         # Worlds on drained nodes move off them, parked first, a few at a time (disruption.py).
-        in_rollout_before = {
-            entry["world"] for entry in (previous_status.get("rollout") or {}).get("inFlight") or []
-        }
-        drained = disruption.plan(
-            [
-                self._world_on_nodes(
-                    index,
-                    step,
-                    pods,
-                    nodes,
-                    busy=self.transitions.busy(index),
-                    elsewhere=index in orders or index in in_rollout_before,
-                )
-                for index, (step, _, _) in zip(world_list, steps)
-            ],
-            drain_memory,
-            spec.rollout.max_unavailable,
-            now,
-            spec.rollout.drain_timeout_seconds,
+        drained = await self._move_off_drained_nodes(
+            owner, spec, steps, pods, nodes, orders, drain_memory, previous_status, now
         )
-        for event in drained.events:
-            self.post_event(*event)
-        for index, order, leaving in drained.orders:
-            await self._carry_out_drain(
-                owner, spec, index, order, leaving, steps[index][0], pods, orders, now
-            )
         draining_worlds = {entry["world"] for entry in drained.in_flight}
-        for entry in drained.in_flight:
-            if entry["step"] == "parking":
-                steps[entry["world"]][0].status["message"] = (
-                    f"parking: {', '.join(entry['nodes'])} is being drained; its pods go once it is parked"
-                )
 
         # The rollout takes the worlds whose pods run an outdated spec, a few at a time.
         target = render.pod_specs_digest(owner, spec)
@@ -628,19 +600,6 @@ class Supervisor:
         step.status["replacedPods"] = sorted(pod["metadata"]["uid"] for pod in doomed)
         orders[index] = ("replace", [pod["metadata"]["name"] for pod in doomed])
 
-    def _planned_replacement(
-        self,
-        index: int,
-        step: worlds.WorldStep,
-        pods: list[dict[str, Any]],
-        orders: dict[int, tuple[str, list[str]]],
-        message: str,
-    ) -> None:
-        """Replace the world's pods on purpose (a rollout, a drain): not a failure, so the
-        restart budget is not spent."""
-        step.status.update(phase="Restarting", ready=False, members={}, probeFailures=0, message=message)
-        self._order_replacement(index, step, pods, orders)
-
     async def _nodes(self, pods: list[dict[str, Any]]) -> dict[str, Mapping[str, Any] | None] | None:
         """The Nodes of the deployment's pods; None where this install may not read them."""
         if not self._may_read_nodes:
@@ -649,6 +608,52 @@ class Supervisor:
         nodes = await disruption.read_nodes(self.kube, names)  # type: ignore[arg-type]
         self._may_read_nodes = nodes is not None
         return nodes
+
+    async def _move_off_drained_nodes(
+        self,
+        owner: render.Owner,
+        spec: LLMDeploymentSpec,
+        steps: list[tuple[worlds.WorldStep, None, str | None]],
+        pods: list[dict[str, Any]],
+        nodes: Mapping[str, Mapping[str, Any] | None] | None,
+        orders: dict[int, tuple[str, list[str]]],
+        memory: list[dict[str, Any]],
+        previous_status: Mapping[str, Any],
+        now: dt.datetime,
+    ) -> disruption.DrainPlan:
+        """Plan and carry out this round's drain orders; returns the plan (its memory for status)."""
+        in_rollout = {
+            entry["world"] for entry in (previous_status.get("rollout") or {}).get("inFlight") or []
+        }
+        drained = disruption.plan(
+            [
+                self._world_on_nodes(
+                    index,
+                    step,
+                    pods,
+                    nodes,
+                    busy=self.transitions.busy(index),
+                    elsewhere=index in orders or index in in_rollout,
+                )
+                for index, (step, _, _) in enumerate(steps)
+            ],
+            memory,
+            spec.rollout.max_unavailable,
+            now,
+            spec.rollout.drain_timeout_seconds,
+        )
+        for event in drained.events:
+            self.post_event(*event)
+        for index, order, leaving in drained.orders:
+            await self._carry_out_drain(
+                owner, spec, index, order, leaving, steps[index][0], pods, orders, now
+            )
+        for entry in drained.in_flight:
+            if entry["step"] == "parking":
+                steps[entry["world"]][0].status["message"] = (
+                    f"parking: {', '.join(entry['nodes'])} is being drained; its pods go once it is parked"
+                )
+        return drained
 
     def _world_on_nodes(
         self,
@@ -700,31 +705,10 @@ class Supervisor:
                 self.transitions.start(index, "sleep", "drain", call)
         elif order == "release":
             # Out of the world's PodDisruptionBudget: the drain's next eviction of each goes through.
-            for pod in self._world_pods(index, pods):
-                labels = pod["metadata"].get("labels") or {}
-                if pod["spec"].get("nodeName") in leaving and naming.EVICTABLE not in labels:
-                    name = pod["metadata"]["name"]
-                    patch = {"metadata": {"labels": {naming.EVICTABLE: "true"}}}
-                    await self._write(
-                        index,
-                        f"Pod/{name}",
-                        "patch",
-                        now,
-                        self.kube.patch("v1", "Pod", owner.namespace, name, patch),
-                    )
+            await self._label_evictable(owner, index, pods, leaving, "true", now)
         elif order == "abort":
             # The node stays: the world's pods are protected again; the sleep steering wakes it.
-            for pod in self._world_pods(index, pods):
-                if naming.EVICTABLE in (pod["metadata"].get("labels") or {}):
-                    name = pod["metadata"]["name"]
-                    patch = {"metadata": {"labels": {naming.EVICTABLE: None}}}
-                    await self._write(
-                        index,
-                        f"Pod/{name}",
-                        "patch",
-                        now,
-                        self.kube.patch("v1", "Pod", owner.namespace, name, patch),
-                    )
+            await self._label_evictable(owner, index, pods, None, None, now)
         elif index not in orders:  # replace
             # What is left of the world as it ran (a worker its StatefulSet made again is new already).
             members = step.status.get("members") or {}
@@ -737,6 +721,27 @@ class Supervisor:
             step.status.update(phase="Restarting", ready=False, members={}, probeFailures=0, message=message)
             step.status["replacedPods"] = sorted(pod["metadata"]["uid"] for pod in doomed)
             orders[index] = ("replace", [pod["metadata"]["name"] for pod in doomed])
+
+    async def _label_evictable(
+        self,
+        owner: render.Owner,
+        index: int,
+        pods: list[dict[str, Any]],
+        on_nodes: tuple[str, ...] | None,
+        value: str | None,
+        now: dt.datetime,
+    ) -> None:
+        """Set (`value` "true") or remove (None) `berth.dev/evictable` on the world's pods (those on
+        `on_nodes`, or all) whose label differs."""
+        for pod in self._world_pods(index, pods):
+            name = pod["metadata"]["name"]
+            if on_nodes is not None and pod["spec"].get("nodeName") not in on_nodes:
+                continue
+            if (pod["metadata"].get("labels") or {}).get(naming.EVICTABLE) == value:
+                continue
+            patch = {"metadata": {"labels": {naming.EVICTABLE: value}}}
+            call = self.kube.patch("v1", "Pod", owner.namespace, name, patch)
+            await self._write(index, f"Pod/{name}", "patch", now, call)
 
     def _carry_out(
         self,
@@ -755,9 +760,15 @@ class Supervisor:
         if order == "replace":
             if index in orders:
                 return  # a restart or a creation already takes care of its pods this round
-            self._planned_replacement(
-                index, step, pods, orders, "replacing the world's pods for the new spec (rollout)"
+            # Not a failure: the restart budget is not spent.
+            step.status.update(
+                phase="Restarting",
+                ready=False,
+                members={},
+                probeFailures=0,
+                message="replacing the world's pods for the new spec (rollout)",
             )
+            self._order_replacement(index, step, pods, orders)
             self.post_event(
                 "Normal",
                 "WorldReplaced",
