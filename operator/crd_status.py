@@ -18,6 +18,7 @@ from berth.operator.crd_model import camel_case, map_list
 Time = Annotated[str, Field(description="RFC 3339 time.")]
 PodUID = Annotated[str, Field(description="A pod UID.")]
 WorldIndex = Annotated[int, Field(description="A world's index.")]
+NodeName = Annotated[str, Field(description="A node's name.")]
 
 # Fields whose content has its own shape outside this model (kopf's bookkeeping).
 PRESERVE_UNKNOWN = {"x-kubernetes-preserve-unknown-fields": True}
@@ -158,8 +159,9 @@ class WorldStatus(_Status):
     phase: str | None = None
     """Pending, Starting, Ready, NotReady, Sleeping, Waking, Unreachable, Restarting, BackingOff,
     Failed, Blocked (a child conflicts or is refused), Unschedulable (not all its pods found
-    nodes in time: released, holding none, until scheduling.retryAt), or Retiring (beyond
-    replicas: draining before removal)."""
+    nodes in time: released, holding none, until scheduling.retryAt), Evicting (parked, its pods
+    evicted by a node drain, then replaced on other nodes: no restart counted), or Retiring
+    (beyond replicas: draining before removal)."""
     message: str | None = None
     """Why the world is in its phase."""
     ready: bool | None = None
@@ -246,6 +248,31 @@ class RolloutStatus(_Status):
     """Every world runs the target."""
 
 
+class DrainStep(_Status):
+    """A world moving off nodes being drained (operator/disruption.py)."""
+
+    world: int
+    """The world."""
+    step: Literal["parking", "evicting"]
+    """parking (sleeping in drain mode before its pods may go) or evicting (parked; its pods on
+    the drained nodes are out of its PodDisruptionBudget, labelled berth.dev/evictable, and the
+    drain evicts them; then the world is replaced on other nodes)."""
+    nodes: list[NodeName] | None = None
+    """The drained nodes it holds pods on."""
+    since: str | None = None
+    """When the operator took it (RFC 3339)."""
+    evicting_since: str | None = None
+    """When its pods were released to the drain."""
+
+
+class DisruptionStatus(_Status):
+    """Node drains: the worlds moving off drained nodes, at most rollout.maxUnavailable out of
+    service at a time."""
+
+    in_flight: list[DrainStep] | None = None
+    """Worlds taken by a drain, and their step."""
+
+
 class AutoscalingStatus(_Status):
     """What autoscaling measured and decided (spec.autoscaling): the operator never writes the spec."""
 
@@ -309,6 +336,8 @@ class LLMDeploymentStatus(_Status):
     """The rollout's memory: what an operator restarted at any point resumes from."""
     autoscaling: AutoscalingStatus | None = None
     """What autoscaling measured and decided (spec.autoscaling)."""
+    disruption: DisruptionStatus | None = None
+    """Node drains under way: the worlds moving off drained nodes (operator/disruption.py)."""
     conflicts: list[Conflict] | None = None
     """Objects named like this LLMDeployment's children that it does not control (never adopted)."""
     api_errors: list[ApiError] | None = None

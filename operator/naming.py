@@ -22,6 +22,9 @@ ENDPOINT = "berth.dev/endpoint"
 SPEC_HASH = "berth.dev/spec-hash"
 # The digest of the rendering the operator last applied to a child (reconcile.applied_config).
 APPLIED = "berth.dev/applied"
+# On a world's pods that a node drain may evict: the world is parked (operator/disruption.py),
+# and its PodDisruptionBudget selects only pods without this label.
+EVICTABLE = "berth.dev/evictable"
 
 ROLES = ("launcher", "worker", "frontend")
 
@@ -40,6 +43,10 @@ LAUNCHER_HOSTNAME = "launcher"
 def world_name(deployment: str, world: int) -> str:
     """The world's StatefulSet, headless Service and pod-name prefix."""
     return f"{deployment}-w{world}"
+
+
+def disruption_budget_name(deployment: str, world: int) -> str:
+    return world_name(deployment, world)
 
 
 def hostfile_name(deployment: str, world: int) -> str:

@@ -47,6 +47,7 @@ PRUNABLE: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("apps/v1", "StatefulSet", {}),
     ("apps/v1", "Deployment", {}),
     ("networking.k8s.io/v1", "NetworkPolicy", {}),
+    ("policy/v1", "PodDisruptionBudget", {}),
 )
 
 

@@ -645,6 +645,29 @@ def _non_root_deployment(
     }
 
 
+def disruption_budget(owner: Owner, world: int) -> dict[str, Any]:
+    """The world's PodDisruptionBudget: no eviction of its launcher or worker pods, ever, but of
+    those the operator labelled evictable once it parked the world (operator/disruption.py). A
+    world is one MPI job: a drain that evicted its pods one by one would kill it mid-request,
+    and several worlds at once."""
+    labels = naming.world_labels(owner.name, world)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, naming.disruption_budget_name(owner.name, world), labels),
+        "spec": {
+            "maxUnavailable": 0,
+            "selector": {
+                "matchLabels": labels,
+                "matchExpressions": [
+                    {"key": naming.ROLE, "operator": "In", "values": ["launcher", "worker"]},
+                    {"key": naming.EVICTABLE, "operator": "DoesNotExist"},
+                ],
+            },
+        },
+    }
+
+
 def world_children(
     owner: Owner, spec: LLMDeploymentSpec, world: int, released: bool = False
 ) -> list[dict[str, Any]]:
@@ -655,6 +678,7 @@ def world_children(
     children = [
         hostfile(owner, spec, world),
         headless_service(owner, world),
+        disruption_budget(owner, world),
         *([group] if group else []),
         worker_statefulset(owner, spec, world, released),
         *([] if released else [launcher_pod(owner, spec, world)]),

@@ -114,6 +114,10 @@ class Supervisor:
         # Conflicting objects and refused writes, shared with the reconcile handler.
         self.problems = problems if problems is not None else ChildProblems()
         self.model_claim = model_volume.ClaimWatch()
+        # False once the API server refused to show a Node: the namespaced install, which cannot
+        # see a drain coming (disruption.py).
+        self._may_read_nodes = True
+        self._evicting: dict[int, list[str]] = {}  # world -> nodes its pods are evicted from, this round
 
     def close(self) -> None:
         """Stop waiting for transitions in flight (the engines finish them on their own; a
@@ -158,7 +162,8 @@ class Supervisor:
         released = gang.released_worlds(previous_status.get("worlds") or [], now)
         await self._resync(owner, spec, reconciled, now, released)
         pods = await self._own_pods(owner)
-        lost = await disruption.release_from_lost_nodes(self.kube, pods, now)
+        nodes = await self._nodes(pods)
+        lost = await disruption.release_from_lost_nodes(self.kube, pods, now, nodes)
         for pod_name in lost:
             self.post_event(
                 "Warning",
@@ -173,6 +178,12 @@ class Supervisor:
         previous_worlds = {world.get("index"): world for world in previous_status.get("worlds") or []}
         token = await self._token(owner)
         finished = {world: (purpose, outcome) for world, purpose, outcome in self.transitions.finished()}
+        drain_memory = (previous_status.get("disruption") or {}).get("inFlight") or []
+        self._evicting = {
+            entry["world"]: list(entry.get("nodes") or [])
+            for entry in drain_memory
+            if entry["step"] == "evicting"
+        }
 
         world_list = list(range(spec.replicas))
         steps = await asyncio.gather(
@@ -193,7 +204,7 @@ class Supervisor:
                 orders[index] = (scheduling, [])  # release (no room for all its pods) or resume
             elif (
                 reconciled
-                and step.status.get("phase") != "Unschedulable"
+                and step.status.get("phase") not in ("Unschedulable", "Evicting")
                 and naming.launcher_pod_name(name, index) not in by_name
                 and gang.launcher_may_start(spec, self._world_pods(index, pods, "worker"))
                 and self._may_create_launcher(owner, index, now)
@@ -204,6 +215,12 @@ class Supervisor:
                 self._record_outcome(owner, index, step.status, *finished[index], now)
             statuses.append(step.status)
 
+        # Worlds on drained nodes move off them, parked first, a few at a time (disruption.py).
+        drained = await self._move_off_drained_nodes(
+            owner, spec, steps, pods, nodes, orders, drain_memory, previous_status, now
+        )
+        draining_worlds = {entry["world"] for entry in drained.in_flight}
+
         # The rollout takes the worlds whose pods run an outdated spec, a few at a time.
         target = render.pod_specs_digest(owner, spec)
         world_states = [
@@ -212,7 +229,7 @@ class Supervisor:
                 ready=bool(step.status.get("ready")),
                 phase=str(step.status.get("phase")),
                 admission=step.status.get("admission"),
-                outdated=None if index in orders else outdated,
+                outdated=None if index in orders or index in draining_worlds else outdated,
                 busy=self.transitions.busy(index),
                 idle=scaled is not None and index in scaled.asleep,
             )
@@ -247,7 +264,7 @@ class Supervisor:
                     world_intent = schedule.SleepIntent(
                         True, spec.autoscaling.idle.level, "autoscaling (idle)"
                     )
-            if index not in orders and index not in in_rollout:
+            if index not in orders and index not in in_rollout and index not in draining_worlds:
                 self._steer_sleep(spec, world_intent, index, step, by_name, owner, now)
         self.metrics.set_rollout(namespace, name, rolling.memory, spec.replicas)
         if spec.scales_to_zero:
@@ -293,6 +310,7 @@ class Supervisor:
             "apiErrors": self.problems.deployment_errors() or None,
             "replicas": spec.replicas,
             "autoscaling": scaled.status if scaled is not None else None,
+            "disruption": {"inFlight": drained.in_flight} if drained.in_flight else None,
         }
         # Status first, then the pods: a restart is counted (and its backoff started) before any
         # pod goes, so a failed status write can never make one death count twice.
@@ -582,6 +600,149 @@ class Supervisor:
         step.status["replacedPods"] = sorted(pod["metadata"]["uid"] for pod in doomed)
         orders[index] = ("replace", [pod["metadata"]["name"] for pod in doomed])
 
+    async def _nodes(self, pods: list[dict[str, Any]]) -> dict[str, Mapping[str, Any] | None] | None:
+        """The Nodes of the deployment's pods; None where this install may not read them."""
+        if not self._may_read_nodes:
+            return None
+        names = {(pod.get("spec") or {}).get("nodeName") for pod in pods} - {None}
+        nodes = await disruption.read_nodes(self.kube, names)  # type: ignore[arg-type]
+        self._may_read_nodes = nodes is not None
+        return nodes
+
+    async def _move_off_drained_nodes(
+        self,
+        owner: render.Owner,
+        spec: LLMDeploymentSpec,
+        steps: list[tuple[worlds.WorldStep, None, str | None]],
+        pods: list[dict[str, Any]],
+        nodes: Mapping[str, Mapping[str, Any] | None] | None,
+        orders: dict[int, tuple[str, list[str]]],
+        memory: list[dict[str, Any]],
+        previous_status: Mapping[str, Any],
+        now: dt.datetime,
+    ) -> disruption.DrainPlan:
+        """Plan and carry out this round's drain orders; returns the plan (its memory for status)."""
+        in_rollout = {
+            entry["world"] for entry in (previous_status.get("rollout") or {}).get("inFlight") or []
+        }
+        drained = disruption.plan(
+            [
+                self._world_on_nodes(
+                    index,
+                    step,
+                    pods,
+                    nodes,
+                    busy=self.transitions.busy(index),
+                    elsewhere=index in orders or index in in_rollout,
+                )
+                for index, (step, _, _) in enumerate(steps)
+            ],
+            memory,
+            spec.rollout.max_unavailable,
+            now,
+            spec.rollout.drain_timeout_seconds,
+        )
+        for event in drained.events:
+            self.post_event(*event)
+        for index, order, leaving in drained.orders:
+            await self._carry_out_drain(
+                owner, spec, index, order, leaving, steps[index][0], pods, orders, now
+            )
+        for entry in drained.in_flight:
+            if entry["step"] == "parking":
+                steps[entry["world"]][0].status["message"] = (
+                    f"parking: {', '.join(entry['nodes'])} is being drained; its pods go once it is parked"
+                )
+        return drained
+
+    def _world_on_nodes(
+        self,
+        index: int,
+        step: worlds.WorldStep,
+        pods: list[dict[str, Any]],
+        nodes: Mapping[str, Mapping[str, Any] | None] | None,
+        busy: bool,
+        elsewhere: bool,
+    ) -> disruption.WorldOnNodes:
+        held = {
+            pod["spec"]["nodeName"] for pod in self._world_pods(index, pods) if pod["spec"].get("nodeName")
+        }
+        draining = {name for name in held if nodes is not None and disruption.node_draining(nodes.get(name))}
+        live = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in self._world_pods(index, pods)}
+        members = step.status.get("members") or {}
+        whole = all(live.get(name) == identity.partition("/")[0] for name, identity in members.items())
+        return disruption.WorldOnNodes(
+            index=index,
+            ready=bool(step.status.get("ready")),
+            phase=str(step.status.get("phase")),
+            admission=step.status.get("admission"),
+            busy=busy,
+            nodes=frozenset(held),
+            draining=frozenset(draining),
+            elsewhere=elsewhere,
+            whole=whole,
+        )
+
+    async def _carry_out_drain(
+        self,
+        owner: render.Owner,
+        spec: LLMDeploymentSpec,
+        index: int,
+        order: disruption.Order,
+        leaving: tuple[str, ...],
+        step: worlds.WorldStep,
+        pods: list[dict[str, Any]],
+        orders: dict[int, tuple[str, list[str]]],
+        now: dt.datetime,
+    ) -> None:
+        """One drain order for world `index` (`leaving`: the drained nodes it holds pods on)."""
+        if order == "park":
+            address = self._addresses.get(index)
+            if address is not None and not self.transitions.busy(index):
+                call = engine_admin.sleep(
+                    self.http, address, self._admin_token, 1, spec.rollout.drain_timeout_seconds
+                )
+                self.transitions.start(index, "sleep", "drain", call)
+        elif order == "release":
+            # Out of the world's PodDisruptionBudget: the drain's next eviction of each goes through.
+            await self._label_evictable(owner, index, pods, leaving, "true", now)
+        elif order == "abort":
+            # The node stays: the world's pods are protected again; the sleep steering wakes it.
+            await self._label_evictable(owner, index, pods, None, None, now)
+        elif index not in orders:  # replace
+            # What is left of the world as it ran (a worker its StatefulSet made again is new already).
+            members = step.status.get("members") or {}
+            doomed = [
+                pod
+                for pod in self._world_pods(index, pods)
+                if members.get(pod["metadata"]["name"], "").partition("/")[0] == pod["metadata"]["uid"]
+            ]
+            message = f"replacing the world on other nodes: {', '.join(leaving)} is being drained"
+            step.status.update(phase="Restarting", ready=False, members={}, probeFailures=0, message=message)
+            step.status["replacedPods"] = sorted(pod["metadata"]["uid"] for pod in doomed)
+            orders[index] = ("replace", [pod["metadata"]["name"] for pod in doomed])
+
+    async def _label_evictable(
+        self,
+        owner: render.Owner,
+        index: int,
+        pods: list[dict[str, Any]],
+        on_nodes: tuple[str, ...] | None,
+        value: str | None,
+        now: dt.datetime,
+    ) -> None:
+        """Set (`value` "true") or remove (None) `berth.dev/evictable` on the world's pods (those on
+        `on_nodes`, or all) whose label differs."""
+        for pod in self._world_pods(index, pods):
+            name = pod["metadata"]["name"]
+            if on_nodes is not None and pod["spec"].get("nodeName") not in on_nodes:
+                continue
+            if (pod["metadata"].get("labels") or {}).get(naming.EVICTABLE) == value:
+                continue
+            patch = {"metadata": {"labels": {naming.EVICTABLE: value}}}
+            call = self.kube.patch("v1", "Pod", owner.namespace, name, patch)
+            await self._write(index, f"Pod/{name}", "patch", now, call)
+
     def _carry_out(
         self,
         owner: render.Owner,
@@ -740,6 +901,21 @@ class Supervisor:
             if pod["metadata"].get("labels", {}).get(naming.WORLD) == str(index)
             and pod["metadata"].get("labels", {}).get(naming.ROLE) == "worker"
         ]
+        if index in self._evicting:
+            # Parked, and a drain evicts its pods: their going is the plan, not the world's death.
+            status = {key: previous[key] for key in worlds.PERSISTENT if key in previous}
+            status.update(
+                index=index,
+                launcherPod=naming.launcher_pod_name(owner.name, index),
+                ready=False,
+                phase="Evicting",
+                admission=previous.get("admission"),
+                message=(
+                    f"parked; its pods on {', '.join(self._evicting[index])} are being evicted (node drain), "
+                    "then it is replaced on other nodes"
+                ),
+            )
+            return worlds.WorldStep(status=status), None, None
         unfinished = self._unfinished_replacement(index, previous, pods)
         if unfinished:
             # A restart whose status was written but whose pods were not all deleted: finish it.

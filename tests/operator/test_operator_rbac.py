@@ -42,11 +42,14 @@ NOT_EXERCISED = {
     ("apps", "statefulsets", "create"),
     ("apps", "deployments", "create"),
     ("networking.k8s.io", "networkpolicies", "create"),
+    ("policy", "poddisruptionbudgets", "create"),
     # No request of its own: the OwnerReferencesPermissionEnforcement admission plugin checks it
     # whenever the operator creates a child with blockOwnerDeletion: true (every child).
     ("berth.dev", "llmdeployments/finalizers", "update"),
-    # Read only for a pod stuck terminating on its node (a lost node); this run loses none.
+    # Read for the nodes of the pods: a lost node, a drained one. This run's pods get no node.
     ("", "nodes", "get"),
+    # Only to release a parked world's pods to a node drain (operator/disruption.py); none here.
+    ("", "pods", "patch"),
     # PodGroups exist only with a gang scheduler (spec.scheduling.gang); this run has none.
     *(
         (group, "podgroups", verb)

@@ -11,6 +11,7 @@ import yaml
 from berth.operator import credentials, naming, render
 from berth.operator.crd_model import InvalidSpec, parse_spec
 from tests.support.e2e import REPO
+from tests.support.kube_emulator import matches_label_selector
 
 OWNER = render.Owner(name="llama", namespace="ml", uid="1234-uid")
 
@@ -57,10 +58,12 @@ def test_children_names_and_order() -> None:
     refs = [f"{child['kind']}/{child['metadata']['name']}" for child in render.children(OWNER, spec())]
     assert refs == [
         "NetworkPolicy/llama-w0-launcher", "NetworkPolicy/llama-w0-worker", "NetworkPolicy/llama-w0-frontend",
-        "ConfigMap/llama-w0-hostfile", "Service/llama-w0", "StatefulSet/llama-w0", "Pod/llama-w0-launcher",
+        "ConfigMap/llama-w0-hostfile", "Service/llama-w0", "PodDisruptionBudget/llama-w0",
+        "StatefulSet/llama-w0", "Pod/llama-w0-launcher",
         "Deployment/llama-w0-frontend",
         "NetworkPolicy/llama-w1-launcher", "NetworkPolicy/llama-w1-worker", "NetworkPolicy/llama-w1-frontend",
-        "ConfigMap/llama-w1-hostfile", "Service/llama-w1", "StatefulSet/llama-w1", "Pod/llama-w1-launcher",
+        "ConfigMap/llama-w1-hostfile", "Service/llama-w1", "PodDisruptionBudget/llama-w1",
+        "StatefulSet/llama-w1", "Pod/llama-w1-launcher",
         "Deployment/llama-w1-frontend",
         "Service/llama",
     ]  # fmt: skip
@@ -69,6 +72,30 @@ def test_children_names_and_order() -> None:
         assert child["metadata"]["namespace"] == "ml"
         labels = child["metadata"]["labels"]
         assert labels[naming.MANAGED_BY] == "berth" and labels[naming.DEPLOYMENT] == "llama"
+
+
+def test_a_world_s_disruption_budget_refuses_every_eviction_but_of_pods_released_to_a_drain() -> None:
+    children = render.children(OWNER, spec())
+    budget = next(
+        c for c in children if c["kind"] == "PodDisruptionBudget" and c["metadata"]["name"] == "llama-w1"
+    )
+    assert budget["apiVersion"] == "policy/v1" and budget["spec"]["maxUnavailable"] == 0
+    selector = budget["spec"]["selector"]
+    pods = [c for c in children if c["kind"] == "Pod"] + [
+        {"metadata": sts["spec"]["template"]["metadata"]} for sts in children if sts["kind"] == "StatefulSet"
+    ]
+    frontends = [
+        {"metadata": d["spec"]["template"]["metadata"]} for d in children if d["kind"] == "Deployment"
+    ]
+    # World 1's launcher and worker pods, not world 0's, not the frontends (a Deployment's pods).
+    selected = [
+        (pod["metadata"]["labels"][naming.WORLD], pod["metadata"]["labels"][naming.ROLE])
+        for pod in pods + frontends
+        if matches_label_selector(selector, pod["metadata"]["labels"])
+    ]
+    assert sorted(selected) == [("1", "launcher"), ("1", "worker")]
+    released = {**pods[1]["metadata"]["labels"], naming.EVICTABLE: "true"}
+    assert not matches_label_selector(selector, released)
 
 
 def test_network_policies_open_only_what_berth_uses_and_can_be_turned_off() -> None:

@@ -225,6 +225,11 @@ STATUS: dict[str, Any] = {
         "asleepSince": TIME,
         "heldRequests": 2,
     },
+    "disruption": {
+        "inFlight": [
+            {"world": 1, "step": "evicting", "nodes": ["node-a"], "since": TIME, "evictingSince": TIME}
+        ]
+    },
     "kopf": {"progress": {"reconcile_children": {"started": TIME}}},
 }
 

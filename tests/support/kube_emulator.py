@@ -26,7 +26,8 @@ Further gaps found while building the operator's tests, fixed here too:
 And what a real API server does that the operator relies on: custom resources pruned against
 the CRD's structural schema and checked by its CEL rules (structural.py, cel_rules.py),
 server-side apply with managedFields (server_side_apply.py), a StatefulSet's immutable fields,
-admission-style denials of named objects (deny()).
+admission-style denials of named objects (deny()), and the Eviction subresource with
+PodDisruptionBudgets (`disruptions_allowed()`: what a node drain meets).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import asyncio
 import copy
 import datetime as dt
 import itertools
+import math
 import re
 import secrets
 import uuid
@@ -136,6 +138,58 @@ def matches_selector(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
+def matches_label_selector(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector (matchLabels, matchExpressions); an empty one selects everything."""
+    if any(labels.get(key) != value for key, value in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+        present = key in labels
+        ok = {
+            "In": present and labels[key] in values,
+            "NotIn": not present or labels[key] not in values,
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[operator]
+        if not ok:
+            return False
+    return True
+
+
+def _pod_healthy(pod: dict[str, Any]) -> bool:
+    """What the disruption controller counts as healthy: Ready and not terminating."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return ready and not pod["metadata"].get("deletionTimestamp")
+
+
+def _scaled(value: int | str, expected: int) -> int:
+    """An int-or-percent of a PodDisruptionBudget: a percentage of the expected pods, rounded up."""
+    if isinstance(value, str) and value.endswith("%"):
+        return math.ceil(int(value[:-1]) * expected / 100)
+    return int(value)
+
+
+def disruptions_allowed(budget: dict[str, Any], pods: list[dict[str, Any]]) -> int:
+    """How many of the pods `budget` selects may be evicted now, computed as the disruption
+    controller does: healthy pods (Ready, not terminating) beyond the desired healthy count.
+    Expected pods are the pods it selects (the real controller takes percentages and
+    maxUnavailable from the pods' controllers' scale; for the pods of one controller that is
+    the same number)."""
+    spec = budget.get("spec") or {}
+    selected = [
+        pod
+        for pod in pods
+        if matches_label_selector(spec.get("selector") or {}, pod["metadata"].get("labels") or {})
+    ]
+    expected, healthy = len(selected), sum(1 for pod in selected if _pod_healthy(pod))
+    if spec.get("maxUnavailable") is not None:
+        desired = expected - _scaled(spec["maxUnavailable"], expected)
+    else:
+        desired = _scaled(spec.get("minAvailable", 1), expected)
+    return max(0, healthy - desired)
+
+
 class Emulator(kmock.KubernetesEmulator):
     """Import and use as `@pytest.mark.kmock(cls=Emulator)` or directly with `kmock.Server`."""
 
@@ -203,6 +257,7 @@ class Emulator(kmock.KubernetesEmulator):
         self.slow_creates = {}
         self.failures: list[tuple[str, str, str | None, int]] = []  # (method, plural, subresource, status)
         self.denials: dict[tuple[str, str, str | None], tuple[int, str]] = {}  # see deny()
+        self.evictions: list[tuple[str, int]] = []  # (pod, status) of every eviction answered 201 or 429
         # RBAC for the operator's requests: f(request) -> None (allowed) or the 403's message
         # (tests/support/rbac.py); None lets every request through.
         self.authorizer: Callable[[Any], str | None] | None = None
@@ -418,6 +473,8 @@ class Emulator(kmock.KubernetesEmulator):
             status = self._injected_failure(request)
             if status is not None:
                 return await _status_response(status, "InternalError", "injected failure (test)")(request)
+            if request.resource.plural == "pods" and request.subresource == "eviction":
+                return await self._evict(request)
             content_type = request.headers.get("Content-Type", "")
             if request.method.value.upper() == "PATCH" and content_type.startswith("application/apply-patch"):
                 return await self._apply(request)
@@ -519,6 +576,71 @@ class Emulator(kmock.KubernetesEmulator):
             },
         }
         return await kmock.Response(status=200, payload=scale)(request)
+
+    async def _evict(self, request: Any) -> Any:
+        """POST pods/NAME/eviction (policy/v1 Eviction), as the API server answers it: 429 while a
+        PodDisruptionBudget selecting the pod allows no disruption, else the pod's graceful
+        deletion. A pod that is not running (Pending, Succeeded, Failed) or already terminating
+        ignores the budgets; `deleteOptions.preconditions.uid` naming another pod is a 409."""
+        if request.method.value.upper() != "POST":
+            return await _status_response(405, "MethodNotAllowed", "the eviction subresource takes POST")(
+                request
+            )
+        pod = self._stored(request)
+        if pod is None:
+            return await _status_response(404, "NotFound", f'pods "{request.name}" not found')(request)
+        body = request.data if isinstance(request.data, dict) else {}
+        options = body.get("deleteOptions") or {}
+        uid = (options.get("preconditions") or {}).get("uid")
+        if uid and uid != pod["metadata"].get("uid"):
+            stored_uid = pod["metadata"].get("uid")
+            message = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {stored_uid}"
+            return await _status_response(409, "Conflict", message)(request)
+        running = (pod.get("status") or {}).get("phase") not in ("Pending", "Succeeded", "Failed")
+        if running and not pod["metadata"].get("deletionTimestamp"):
+            labels = pod["metadata"].get("labels") or {}
+            budgets = [
+                budget
+                for budget in self._live("policy", "poddisruptionbudgets", request.namespace)
+                if matches_label_selector((budget.get("spec") or {}).get("selector") or {}, labels)
+            ]
+            if len(budgets) > 1:
+                message = "This pod has more than one PodDisruptionBudget, "
+                message += "which the eviction subresource does not support."
+                return await _status_response(500, "InternalError", message)(request)
+            if budgets and disruptions_allowed(budgets[0], self._live("", "pods", request.namespace)) < 1:
+                self.evictions.append((request.name, 429))
+                message = "Cannot evict pod as it would violate the pod's disruption budget."
+                return await _status_response(429, "TooManyRequests", message)(request)
+        deletion = type(
+            "Deletion",
+            (),
+            {
+                "resource": request.resource,
+                "namespace": request.namespace,
+                "name": request.name,
+                "data": {key: value for key, value in options.items() if key == "gracePeriodSeconds"},
+                "params": {},
+            },
+        )()
+        if await self._delete_pod(deletion) is None:  # not bound to a node: gone at once
+            async with self._lock:
+                stored = self.objects[request.resource, request.namespace, request.name]
+                raw = copy.deepcopy(stored.raw)
+                stored.delete()
+                await self._buses[request.resource].put({"type": "DELETED", "object": raw})
+        self.evictions.append((request.name, 201))
+        status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+        return await kmock.Response(status=201, payload=status)(request)
+
+    def _live(self, group: str, plural: str, namespace: str | None) -> list[dict[str, Any]]:
+        """The stored objects of one resource in a namespace (not deleted)."""
+        store = self._objects._objects
+        found = []
+        for key in self._index().get((group, "v1", plural), []):
+            if key[1] == namespace and not store[key].deleted:
+                found.append(copy.deepcopy(store[key].raw))
+        return found
 
     async def _delete_pod(self, request: Any) -> Any:
         """Graceful deletion, as the API server does it for a pod bound to a node: the first

@@ -5,7 +5,8 @@ nvidia.com/gpu, any extended resource; labels; taints) and, on each `run_once()`
 pending pods it can, oldest first, the way kube-scheduler's filters decide:
 
 - `nodeSelector` and required node affinity (matchExpressions In / NotIn / Exists / DoesNotExist),
-- taints (NoSchedule, NoExecute) against tolerations; a NotReady node (`lose()`) takes nothing,
+- taints (NoSchedule, NoExecute) against tolerations; a NotReady node (`lose()`) and a cordoned
+  one (`spec.unschedulable`, tests/support/drain.py) take nothing,
 - resources: the sum of the requests of the pods bound to a node (extended resources count their
   limits when no request is given, as the API server defaults them) fits its allocatable,
 - required pod affinity and anti-affinity with their topologyKey (a pod that matches its own
@@ -122,6 +123,8 @@ class Placement:
         )
         if not ready:
             return "node(s) were not ready"
+        if node["spec"].get("unschedulable"):
+            return "node(s) were unschedulable"
         for taint in node["spec"].get("taints") or []:
             if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(
                 spec.get("tolerations") or [], taint
