@@ -231,6 +231,7 @@ class Disaggregation:
             self.pulls[done.request_id] = pull  # `_failed` takes it out again
             return self._failed(pull, done.error)
         engine = self._engine
+        self._skip_first_draw(sequence)
         engine.scheduler.pending.discard(sequence)
         engine.scheduler.add_running(sequence)
         sequence.state = SequenceState.GENERATION_IN_PROGRESS
@@ -241,6 +242,17 @@ class Disaggregation:
                 engine._retire(sequence)
             return [response]
         return []
+
+    def _skip_first_draw(self, sequence: Sequence) -> None:
+        """A seeded sequence's generator starts where the context engine's stopped: one draw on,
+        the one that sampled the first token (a draw over the vocabulary uses the same random
+        numbers whatever the probabilities), so its tokens equal a single engine's."""
+        if sequence.seed is None or sequence.params.greedy:
+            return
+        device = self._engine.model_runner.device
+        sequence.generator = torch.Generator(device=device).manual_seed(sequence.seed)
+        vocabulary = torch.ones(self._engine.limits.vocab_size, device=device)
+        torch.multinomial(vocabulary, 1, generator=sequence.generator)
 
     def forget(self, sequence: Sequence) -> None:
         """An aborted or failed generation-only sequence: its pull no longer matters (a late

@@ -7,17 +7,22 @@ taken in turn. Both halves carry the same `X-Request-Id` (the client's, or a new
 servers log with their engines' request ids.
 
 A request the first token ends (or with `max_tokens` 1) is answered from the context server's
-reply. A request with `n` > 1 is refused: the engines split single sequences (send `n` requests).
+reply. The engines split single sequences, so a request with `n` > 1 runs as `n` splits whose
+choices are merged (streamed as they come, each with its own index); split `i` samples with
+`seed + i`, as a single engine's sequence `i` does, so seeded answers match one engine's. The
+router cannot pick the best of several, so `best_of` other than `n` is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import logging
 import os
 import uuid
+from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -73,42 +78,35 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
             return error(400, "the body is not JSON", "invalid_json")
         if not isinstance(body, dict):
             return error(400, "the body must be a JSON object", "invalid_body")
-        if body.get("n", 1) != 1:
-            return error(400, "the router splits single sequences: send n requests with n=1", "unsupported_n")
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return error(400, f"n must be a positive integer, got {n!r}", "invalid_n")
+        if body.get("best_of") not in (None, n):
+            return error(
+                400, "the router cannot pick the best of several splits: leave best_of unset", "best_of"
+            )
         request_id = request.headers.get(REQUEST_ID) or f"route-{uuid.uuid4().hex}"
         headers = forwarded_headers(request, request_id)
-        context_url = next(turns["context"])
-        first_half = {**body, "stream": False, "disaggregated": {"context_only": True}}
-        first_half.pop("stream_options", None)
+        if n == 1:
+            return await split(body, path, headers, request_id)
+        return await split_n(body, n, path, headers, request_id)
+
+    async def split(body: dict, path: str, headers: dict, request_id: str):
+        """One sequence: its context half, then its generation half relayed as it comes."""
         app.state.in_flight += 1
         try:
-            context = await client.post(context_url + path, json=first_half, headers=headers)
-            if context.status_code != 200:
-                return Response(context.content, context.status_code, media_type="application/json")
-            answered = context.json()
-            handle = answered.pop("kv_handle", None)
-            logger.info(
-                "%s: context part on %s done (handle: %s)", request_id, context_url, handle is not None
-            )
-            if handle is None:  # the first token ended it: the context's answer is the whole answer
-                return _whole_answer(answered, body)
-            generation_url = next(turns["generation"])
-            second_half = {**body, "disaggregated": {"kv_handle": handle}}
-            if not body.get("stream"):
-                reply = await client.post(generation_url + path, json=second_half, headers=headers)
-                return Response(reply.content, reply.status_code, media_type="application/json")
-            upstream = await client.send(
-                client.build_request("POST", generation_url + path, json=second_half, headers=headers),
-                stream=True,
-            )
+            first = await context_half(body, path, headers, request_id)
+            if not isinstance(first, dict):
+                return first
+            if first.get("kv_handle") is None:  # the first token ended it: the whole answer
+                return _whole_answer(first, body)
+            upstream = await generation_half(body, first["kv_handle"], path, headers)
         except httpx.HTTPError as failure:
             return error(502, f"a server of the route did not answer: {failure!r}", "upstream_unavailable")
         finally:
             app.state.in_flight -= 1
-        if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            return Response(content, upstream.status_code, media_type="application/json")
+        if isinstance(upstream, Response):
+            return upstream
 
         async def relay():
             app.state.in_flight += 1
@@ -120,6 +118,99 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
                 app.state.in_flight -= 1
 
         return StreamingResponse(relay(), media_type="text/event-stream", headers={REQUEST_ID: request_id})
+
+    async def context_half(body: dict, path: str, headers: dict, request_id: str) -> dict | Response:
+        """The context server's JSON answer (its `kv_handle` None when the first token ended it)."""
+        context_url = next(turns["context"])
+        first_half = {**body, "stream": False, "disaggregated": {"context_only": True}}
+        first_half.pop("stream_options", None)
+        reply = await client.post(context_url + path, json=first_half, headers=headers)
+        if reply.status_code != 200:
+            return Response(reply.content, reply.status_code, media_type="application/json")
+        answered = reply.json()
+        answered.setdefault("kv_handle", None)
+        logger.info(
+            "%s: context part on %s done (handle: %s)",
+            request_id,
+            context_url,
+            answered["kv_handle"] is not None,
+        )
+        return answered
+
+    async def generation_half(
+        body: dict, handle: dict, path: str, headers: dict
+    ) -> Response | httpx.Response:
+        """The generation server's answer: a Response when not streamed or refused, else its open stream."""
+        generation_url = next(turns["generation"])
+        second_half = {**body, "disaggregated": {"kv_handle": handle}}
+        if not body.get("stream"):
+            reply = await client.post(generation_url + path, json=second_half, headers=headers)
+            return Response(reply.content, reply.status_code, media_type="application/json")
+        upstream = await client.send(
+            client.build_request("POST", generation_url + path, json=second_half, headers=headers),
+            stream=True,
+        )
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            return Response(content, upstream.status_code, media_type="application/json")
+        return upstream
+
+    async def split_n(body: dict, n: int, path: str, headers: dict, request_id: str):
+        """`n` splits of one sequence each, merged into one answer of `n` choices."""
+        seed = body.get("seed")
+        bodies = [
+            {**body, "n": 1, "best_of": None, **({"seed": seed + i} if isinstance(seed, int) else {})}
+            for i in range(n)
+        ]
+        app.state.in_flight += 1
+        try:
+            firsts = await asyncio.gather(*(context_half(b, path, headers, request_id) for b in bodies))
+            refused = next((first for first in firsts if not isinstance(first, dict)), None)
+            if refused is not None:
+                return refused  # the others' pins end by their timeout
+            if not body.get("stream"):
+                answers = await asyncio.gather(
+                    *(_json_answer(first, b, path, headers) for first, b in zip(firsts, bodies))
+                )
+                failed = next((answer for answer in answers if isinstance(answer, Response)), None)
+                return failed or JSONResponse(_merged(answers))
+            opened = await asyncio.gather(
+                *(
+                    generation_half(b, first["kv_handle"], path, headers)
+                    for first, b in zip(firsts, bodies)
+                    if first["kv_handle"] is not None
+                ),
+                return_exceptions=True,
+            )
+        except httpx.HTTPError as failure:
+            return error(502, f"a server of the route did not answer: {failure!r}", "upstream_unavailable")
+        finally:
+            app.state.in_flight -= 1
+        upstreams = [up for up in opened if isinstance(up, httpx.Response)]
+        if len(upstreams) < len(opened):  # one half refused or unreachable: close the others' streams
+            for up in upstreams:
+                await up.aclose()
+            failed = next(up for up in opened if not isinstance(up, httpx.Response))
+            if isinstance(failed, Response):
+                return failed
+            return error(502, f"a server of the route did not answer: {failed!r}", "upstream_unavailable")
+        streams = iter(upstreams)
+        sources = [_whole_events(first) if first["kv_handle"] is None else next(streams) for first in firsts]
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(
+            _merged_events(sources, include_usage, app.state),
+            media_type="text/event-stream",
+            headers={REQUEST_ID: request_id},
+        )
+
+    async def _json_answer(first: dict, body: dict, path: str, headers: dict) -> dict | Response:
+        if first["kv_handle"] is None:
+            return first
+        reply = await generation_half(body, first["kv_handle"], path, headers)
+        if reply.status_code != 200:
+            return reply
+        return json.loads(reply.body)
 
     for path in ROUTED:
 
@@ -153,8 +244,96 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
     return app
 
 
+def _merged(answers: list[dict]) -> dict:
+    """`n` single-choice answers as one: choice `i` from answer `i`; the prompt counted once."""
+    merged = {key: value for key, value in answers[0].items() if key != "kv_handle"}
+    merged["choices"] = [{**answer["choices"][0], "index": i} for i, answer in enumerate(answers)]
+    usages = [answer.get("usage") or {} for answer in answers]
+    if all(usages):
+        completion = sum(usage.get("completion_tokens", 0) for usage in usages)
+        prompt = usages[0].get("prompt_tokens", 0)
+        merged["usage"] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+    return merged
+
+
+async def _whole_events(answered: dict):
+    """A context server's whole answer as the stream chunks one choice would have sent."""
+    chunk = {key: value for key, value in answered.items() if key not in ("kv_handle", "usage")}
+    if chunk.get("object") == "chat.completion":
+        chunk["object"] = "chat.completion.chunk"
+        chunk["choices"] = [
+            {"index": c["index"], "delta": c["message"], "finish_reason": c["finish_reason"]}
+            for c in answered["choices"]
+        ]
+    yield chunk
+    if answered.get("usage"):
+        yield {**chunk, "choices": [], "usage": answered["usage"]}
+
+
+async def _events_of(upstream: httpx.Response):
+    """The JSON chunks of one generation server's stream (closed when done or abandoned)."""
+    try:
+        async for line in upstream.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+    finally:
+        await upstream.aclose()  # a client that leaves aborts the generation server's request
+
+
+async def _merged_events(sources: list, include_usage: bool, state) -> AsyncIterator[bytes]:
+    """Every choice's chunks as they come, choice `i`'s index rewritten to `i`; one usage chunk
+    (the prompt counted once) and one `[DONE]` at the end."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, source) -> None:
+        events = source if not isinstance(source, httpx.Response) else _events_of(source)
+        try:
+            async for chunk in events:
+                await queue.put((i, chunk))
+        except Exception as failure:
+            await queue.put((i, failure))
+        finally:
+            await events.aclose()
+            await queue.put((i, done))
+
+    state.in_flight += 1
+    pumps = [asyncio.create_task(pump(i, source)) for i, source in enumerate(sources)]
+    usages: list[dict] = []
+    try:
+        for _ in range(len(sources)):
+            while (item := await queue.get())[1] is not done:
+                i, chunk = item
+                if isinstance(chunk, Exception):
+                    problem = {
+                        "message": f"choice {i}: its generation server failed: {chunk!r}",
+                        "code": "upstream",
+                    }
+                    yield f"data: {json.dumps({'error': problem})}\n\n".encode()
+                    return
+                if chunk.get("usage") and not chunk.get("choices"):
+                    usages.append(chunk)
+                    continue
+                chunk["choices"] = [{**choice, "index": i} for choice in chunk.get("choices", [])]
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        if include_usage and usages:
+            total = _merged([{**chunk, "choices": [{}]} for chunk in usages])
+            yield f"data: {json.dumps({**usages[0], 'usage': total['usage']})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        state.in_flight -= 1
+
+
 def _whole_answer(answered: dict, body: dict):
     """The context server's answer as the client asked for it (a stream of one chunk, or JSON)."""
+    answered = {key: value for key, value in answered.items() if key != "kv_handle"}
     if not body.get("stream"):
         return JSONResponse(answered)
     chunk = dict(answered)

@@ -72,6 +72,19 @@ def test_greedy_tokens_through_the_split_equal_one_engines(context, generation):
     assert kv_blocks_used(generation) == 0
 
 
+def test_seeded_sampling_through_the_split_equals_one_engines(context, generation):
+    """The generation engine's generator continues where the context engine's left off."""
+    prompts = prompts_of_many_lengths(context.tokenizer, lengths=(5, 21))
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=1234)
+    single = context.generate(prompts, sampled)
+    _, outputs = split(context, generation, prompts, sampled)
+    for one, out in zip(single, outputs):
+        assert out.outputs[0].token_ids == one.outputs[0].token_ids
+    greedy = context.generate(prompts, dataclasses.replace(sampled, temperature=0))
+    assert [o.outputs[0].token_ids for o in single] != [g.outputs[0].token_ids for g in greedy]
+    wait_for_no_pins(context)
+
+
 def test_streaming_and_stop_strings_through_the_split(context, generation):
     prompt = prompts_of_many_lengths(context.tokenizer, lengths=(21,))[0]
     single = context.generate([prompt], GREEDY)[0].outputs[0]

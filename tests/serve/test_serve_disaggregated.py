@@ -1,8 +1,8 @@
 """Disaggregated serving over real processes: a context server (`--role context`), a generation
 server (`--role generation`, another KV block size) and the router (`berth serve --route`), each
 a `berth serve` process. Answers through the router equal a single server's (plain, streamed,
-chat, stop strings); roles refuse what is not theirs; a context server killed after prefill
-fails the request clearly and the generation server keeps no block."""
+chat, stop strings, `n` seeded choices); roles refuse what is not theirs; a context server killed
+after prefill fails the request clearly and the generation server keeps no block."""
 
 from __future__ import annotations
 
@@ -94,6 +94,61 @@ def test_answers_through_the_router_equal_a_single_servers(split, server):
     )
 
 
+def texts_by_choice(url: str, path: str, body: dict) -> tuple[dict[int, str], dict]:
+    """Each choice's streamed text, and the usage chunk."""
+    texts: dict[int, str] = {}
+    usage = {}
+    with httpx.stream(
+        "POST", url + path, json={"model": MODEL_NAME, "stream": True, **body}, timeout=60
+    ) as reply:
+        assert reply.status_code == 200, reply.read()
+        lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    for line in lines[:-1]:
+        chunk = json.loads(line[6:])
+        usage = chunk.get("usage") or usage
+        for choice in chunk["choices"]:
+            piece = choice.get("text") or choice.get("delta", {}).get("content") or ""
+            texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts, usage
+
+
+def test_n_choices_through_the_router_equal_a_single_servers(split, server):
+    """`n` splits, split `i` seeded `seed + i` as a single engine's sequence `i` is: the same
+    choices, streamed or not, with the prompt counted once in the usage."""
+    router = split[2]
+    plain = {"Authorization": f"Bearer {API_KEY}"}
+    body = {
+        "prompt": PROMPTS[1],
+        "max_tokens": 10,
+        "ignore_eos": True,
+        "n": 3,
+        "seed": 77,
+        "temperature": 1.0,
+    }
+    expected = complete(server.url, body, plain).json()
+    routed = complete(router.url, body).json()
+    assert [c["text"] for c in routed["choices"]] == [c["text"] for c in expected["choices"]]
+    assert [c["index"] for c in routed["choices"]] == [0, 1, 2]
+    assert routed["usage"] == expected["usage"] == {
+        "prompt_tokens": len(PROMPTS[1]), "completion_tokens": 30, "total_tokens": len(PROMPTS[1]) + 30,
+    }  # fmt: skip
+    assert len({c["text"] for c in routed["choices"]}) > 1  # sampled: the seeds differ per choice
+    streaming = {**body, "stream_options": {"include_usage": True}}
+    texts, usage = texts_by_choice(router.url, "/v1/completions", streaming)
+    assert texts == {c["index"]: c["text"] for c in expected["choices"]}
+    assert usage == expected["usage"]
+    chat = {"messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 6, "n": 2}
+    chat_expected = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"model": MODEL_NAME, **chat, "temperature": 0},
+        headers=plain, timeout=60,
+    ).json()  # fmt: skip
+    texts, _ = texts_by_choice(router.url, "/v1/chat/completions", {**chat, "temperature": 0})
+    assert texts == {c["index"]: c["message"]["content"] for c in chat_expected["choices"]}
+    one_token = complete(router.url, {**body, "max_tokens": 1})  # every choice ended by its first token
+    assert [c["finish_reason"] for c in one_token.json()["choices"]] == ["length"] * 3
+
+
 def test_the_two_halves_share_the_request_id_in_their_logs(split):
     context, generation, router = split
     reply = complete(router.url, {"prompt": [9, 10, 11, 12], "max_tokens": 4}, {"X-Request-Id": "trace-42"})
@@ -102,7 +157,7 @@ def test_the_two_halves_share_the_request_id_in_their_logs(split):
         assert "trace-42: engine request" in server.output, server.output[-2000:]
 
 
-def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_n(split):
+def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_best_of(split):
     context, generation, router = split
     body = {"prompt": [5, 6, 7], "max_tokens": 4}
     for server in (context, generation):
@@ -110,8 +165,8 @@ def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_n(split):
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "wrong_role", reply.text
     assert httpx.get(f"{router.url}/health", timeout=30).json() == {"healthy": True, "unhealthy": []}
     assert httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_NAME
-    reply = complete(router.url, {**body, "n": 2})
-    assert reply.status_code == 400 and "send n requests" in reply.json()["error"]["message"]
+    reply = complete(router.url, {**body, "n": 2, "best_of": 3})
+    assert reply.status_code == 400 and "best of several" in reply.json()["error"]["message"]
     ended = complete(router.url, {**body, "max_tokens": 1})  # the context server's answer is the whole answer
     assert ended.status_code == 200 and ended.json()["choices"][0]["finish_reason"] == "length"
 
