@@ -72,6 +72,7 @@ ACK_TIMEOUT_MS = 120_000
 POLL_MS = 200  # how often the request loop looks up from the socket to check the engine
 FLUSH_MS = 5_000  # on exit, how long unsent results may hold the process
 PARENT_CHECK_SECONDS = 0.5
+LEADER_REPORT_SECONDS = 30  # a failed start: how long the other ranks leave rank 0 to report it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +229,11 @@ def _follow(world) -> int:
     try:
         runner, _ = build_rank(config, tp)
     except Exception:
-        # Every rank heard of it (build_rank shares failures) and rank 0 tells the proxy.
+        # Every rank heard of it (build_rank shares failures) and rank 0 tells the proxy, then
+        # ends the world. A rank that left first would have mpiexec end rank 0 before its report
+        # is out, and the proxy would hear "killed" instead of why: wait to be ended.
         logger.exception("rank %d: the world failed to start", world.rank)
+        time.sleep(LEADER_REPORT_SECONDS)
         return 1
     try:
         follow(runner, config)
