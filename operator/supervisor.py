@@ -625,6 +625,7 @@ class Supervisor:
         in_rollout = {
             entry["world"] for entry in (previous_status.get("rollout") or {}).get("inFlight") or []
         }
+        written = {world.get("index"): world for world in previous_status.get("worlds") or []}
         drained = disruption.plan(
             [
                 self._world_on_nodes(
@@ -634,6 +635,7 @@ class Supervisor:
                     nodes,
                     busy=self.transitions.busy(index),
                     elsewhere=index in orders or index in in_rollout,
+                    written=written.get(index) or {},
                 )
                 for index, (step, _, _) in enumerate(steps)
             ],
@@ -663,6 +665,7 @@ class Supervisor:
         nodes: Mapping[str, Mapping[str, Any] | None] | None,
         busy: bool,
         elsewhere: bool,
+        written: Mapping[str, Any],
     ) -> disruption.WorldOnNodes:
         held = {
             pod["spec"]["nodeName"] for pod in self._world_pods(index, pods) if pod["spec"].get("nodeName")
@@ -671,11 +674,16 @@ class Supervisor:
         live = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in self._world_pods(index, pods)}
         members = step.status.get("members") or {}
         whole = all(live.get(name) == identity.partition("/")[0] for name, identity in members.items())
+        admission = step.status.get("admission")
+        if admission == "parked" and written.get("admission") != "parked":
+            # Parked once the status says so: who watches the deployment sees the world parked
+            # before the drain may take its pods (released next round, after this one's write).
+            admission = "parking"
         return disruption.WorldOnNodes(
             index=index,
             ready=bool(step.status.get("ready")),
             phase=str(step.status.get("phase")),
-            admission=step.status.get("admission"),
+            admission=admission,
             busy=busy,
             nodes=frozenset(held),
             draining=frozenset(draining),
