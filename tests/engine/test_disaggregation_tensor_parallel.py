@@ -2,12 +2,15 @@
 of 2 ranks and a generation world of 2 ranks give one engine's greedy tokens, streamed or not;
 an engine of 1 rank and a world of 2 reshard the KV either way; a failed or late transfer in a
 world fails that request alone and leaves no block held; a world whose ranks replicate one KV
-head splits too. One world of each part serves most of the module."""
+head splits too; a context world killed while it holds a pin is reported dead, and only the
+request that needed it fails. One world of each part serves most of the module."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import signal
 import socket
 import time
 
@@ -15,10 +18,11 @@ import pytest
 import torch
 
 from berth.engine import LLM, ContextOnly, GenerationOnly, RequestError, SamplingParams
+from berth.engine.executor import EngineDeadError
 from berth.engine.models.parallel import attention_shard
 from berth.engine.pyexecutor import kv_slices
 from tests.engine.conftest import kv_blocks_used, prompts_of_many_lengths
-from tests.support.engine_processes import no_world_outlives
+from tests.support.engine_processes import no_world_outlives, wait_until
 
 KEY = secrets.token_hex(32)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -163,6 +167,32 @@ def test_failed_transfers_in_worlds_fail_their_request_alone_and_leak_no_block(
     assert in_flight.result(timeout=30).outputs[0].finish_reason in ("abort", "length")
     wait_until_no_block_held(context_world, generation_world)
     assert context_world.check_health() and generation_world.check_health()
+
+
+def test_a_context_world_that_dies_holding_a_pin_fails_only_the_request_that_needed_it(
+    tiny_model, single, generation_world
+):
+    """kill -9 of a context world's rank after prefill: that world is reported dead, the pull
+    from it fails alone (a timeout), and the generation world goes on, holding no block."""
+    prompt = prompts_of_many_lengths(single.tokenizer, lengths=(14,))[0]
+    doomed = LLM(tiny_model, tensor_parallel_size=2, kv_cache_blocks=32, **SERVES, **ENGINE)
+    try:
+        handle = doomed.generate([prompt], GREEDY, disaggregated=ContextOnly())[0].kv_handle
+        (identity,) = doomed.executor.identities
+        follower = {rank: pid for rank, pid, _ in identity.world}[1]
+        os.kill(follower, signal.SIGKILL)
+        assert wait_until(lambda: not doomed.check_health(), 15), "the dead world was not reported"
+        with pytest.raises(EngineDeadError):
+            doomed.generate([prompt], GREEDY)
+        split_from_the_dead = GenerationOnly(handle, timeout=1)
+        pending = generation_world.generate_async(prompt, GREEDY, disaggregated=split_from_the_dead)
+        others = split(single, generation_world, [prompt])[1]
+        assert tokens(others) == tokens(single.generate([prompt], GREEDY))
+        with pytest.raises(RequestError, match="did not answer within the transfer timeout"):
+            pending.result(timeout=30)
+        wait_until_no_block_held(single, generation_world)
+    finally:
+        doomed.shutdown()
 
 
 def test_a_world_that_replicates_its_kv_head_splits_with_one_rank_either_way(tiny_tp3):
