@@ -2,8 +2,9 @@
 of 2 ranks and a generation world of 2 ranks give one engine's greedy tokens, streamed or not;
 an engine of 1 rank and a world of 2 reshard the KV either way; a failed or late transfer in a
 world fails that request alone and leaves no block held; a world whose ranks replicate one KV
-head splits too; a context world killed while it holds a pin is reported dead, and only the
-request that needed it fails. One world of each part serves most of the module."""
+head splits too, and so does SmolLM2 over 3 ranks; a context world killed while it holds a pin
+is reported dead, and only the request that needed it fails. One world of each part serves
+most of the module."""
 
 from __future__ import annotations
 
@@ -208,6 +209,28 @@ def test_a_world_that_replicates_its_kv_head_splits_with_one_rank_either_way(tin
         assert firsts[0].kv_handle.layout.num_kv_heads == 1
         assert tokens(outputs) == expected
         assert tokens(split(one, world, prompts)[1]) == expected
+        wait_until_no_block_held(one, world)
+
+
+def test_smollm2_over_three_ranks_and_one_splits_either_way(smollm2):
+    """The real model (9 query heads and 3 KV heads: TP 2 cannot split them, TP 3 can), a prompt
+    over several prefill chunks: a world of 3 ranks and an engine of 1 reshard the KV both ways
+    and give one engine's greedy tokens."""
+    from tests.engine.test_real_model import CHUNK, prompts
+
+    options = {"max_num_tokens": CHUNK, "kv_cache_blocks": 24, "max_batch_size": 4, **SERVES, **ENGINE}
+    params = SamplingParams(temperature=0, max_tokens=6)
+    with (
+        LLM(smollm2, executor="in-process", **options) as one,
+        LLM(smollm2, tensor_parallel_size=3, **options) as world,
+    ):
+        batch = prompts(one.tokenizer)[1:3]  # a long chat prompt (two chunks) and a short one
+        expected = tokens(one.generate(batch, params))
+        assert tokens(world.generate(batch, params)) == expected
+        firsts, outputs = split(world, one, batch, params)
+        assert firsts[0].kv_handle.layout.tensor_parallel_size == 3
+        assert tokens(outputs) == expected
+        assert tokens(split(one, world, batch, params)[1]) == expected
         wait_until_no_block_held(one, world)
 
 
