@@ -36,8 +36,9 @@ class ContextOnly:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """How the context engine stores keys and values: a generation engine whose layout differs
-    in anything but the block size refuses the handle (the KV travels per token)."""
+    """How the context engine stores keys and values: a generation engine refuses a handle of
+    other layers, KV heads or head size (another model). The block size, the dtype and the
+    number of ranks may differ: the KV travels per token, as every KV head of the model."""
 
     dtype: str
     block_size: int

@@ -137,13 +137,21 @@ class TensorParallelGroup:
         None on the others."""
         if self.size == 1:
             return tensor
+        parts = self.gather_list_to_leader(tensor)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def gather_list_to_leader(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (of one shape on every rank), by rank, on rank 0; None on the
+        others."""
+        if self.size == 1:
+            return [tensor]
         import torch.distributed as dist
 
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_leader else None
         with self._timed(tensor):
             dist.gather(tensor, parts, dst=0, group=self.device_group)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        return parts
 
     def broadcast_from_leader(self, tensor: torch.Tensor) -> None:
         """Rank 0's `tensor` (a CPU tensor) into every rank's, in place."""

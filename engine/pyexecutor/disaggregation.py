@@ -12,6 +12,14 @@ running one whose prompt is computed, its first token appended: the next step de
 as a single engine would. A failed or late transfer fails the request alone (or, with
 `fallback="local"`, the prompt is run here); its blocks go back either way, and the context
 engine is told to release its pin.
+
+Tensor parallelism: only rank 0 runs this (the loop, the pins, the pulls, the transfer sockets);
+the other ranks hold no request state. The keys and values travel as every KV head of the
+model: rank 0 gathers its world's slices to serve a pull and broadcasts what a pull brought
+for each rank to write its own slice (`kv_slices`), in the loop's turn, so every rank runs the
+same collectives in the same order, and the two engines may split the heads differently.
+Whatever depends on time (a pull's data arriving, a pin expiring, a release) is decided here,
+on rank 0, once.
 """
 
 from __future__ import annotations
@@ -23,11 +31,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from berth.engine.disaggregation import ContextOnly, GenerationOnly, KVHandle, KVLayout, prompt_digest
 from berth.engine.engine_io import RequestError, Response
+from berth.engine.pyexecutor import kv_slices
 from berth.engine.pyexecutor.kv_transfer import (
     KVTransferClient,
     KVTransferServer,
@@ -132,7 +140,8 @@ class Disaggregation:
         if kv.kv_caches is None:
             pull.reply({"op": "error", "message": "the KV cache is released (the engine sleeps)"}, b"")
             return
-        data = _gather(kv.kv_caches, pin.block_ids, pin.num_tokens)
+        slots = kv_slices.slots_of(pin.block_ids, pin.num_tokens, kv.block_size)
+        data = kv_slices.read(self._engine.model_runner, slots)
         header = {"op": "data", "shape": list(data.shape), "dtype": str(data.dtype).removeprefix("torch.")}
         pull.reply(header, data.view(torch.uint8).numpy().tobytes())
 
@@ -160,12 +169,9 @@ class Disaggregation:
                 "this engine has no KV transfer key (BERTH_KV_TRANSFER_KEY or BERTH_ENGINE_KEY)"
             )
         self._check_common(len(group))
+        # The keys and values travel as every head of the model: the engines may split them
+        # over different numbers of ranks (`kv_slices`), and use other block sizes.
         mine, theirs = self.layout(), handle.layout
-        if theirs.tensor_parallel_size != mine.tensor_parallel_size:
-            raise RequestError(
-                f"the context engine splits its KV heads over {theirs.tensor_parallel_size} ranks, this "
-                f"engine over {mine.tensor_parallel_size}: resharding the KV cache is not supported"
-            )
         shapes = ("num_layers", "num_kv_heads", "head_dim")
         if any(getattr(mine, name) != getattr(theirs, name) for name in shapes):
             raise RequestError(
@@ -225,7 +231,7 @@ class Disaggregation:
         if done.error is None:
             try:
                 self._write(sequence, done.header, done.payload)
-            except (ValueError, RuntimeError, KeyError) as error:
+            except (ValueError, RuntimeError, KeyError, TypeError) as error:
                 done.error = f"the KV data does not fit: {error}"
         if done.error is not None:
             self.pulls[done.request_id] = pull  # `_failed` takes it out again
@@ -305,20 +311,18 @@ class Disaggregation:
         return max(0.0, min(pin.deadline for pin in self.pins.values()) - time.monotonic())
 
     def layout(self) -> KVLayout:
-        kv, tp = self._engine.kv_cache, self._engine.model_runner.tp.size
+        runner = self._engine.model_runner
+        kv = runner.kv_cache
         return KVLayout(
             dtype=str(kv.dtype).removeprefix("torch."),
             block_size=kv.block_size,
             num_layers=kv.shape[0],
-            num_kv_heads=kv.shape[4] * tp,
+            num_kv_heads=runner.model.config.num_kv_heads,
             head_dim=kv.shape[5],
-            tensor_parallel_size=tp,
+            tensor_parallel_size=runner.tp.size,
         )
 
     def _check_common(self, n: int) -> None:
-        tp = self._engine.model_runner.tp.size
-        if tp != 1:
-            raise RequestError(f"disaggregated requests need tensor_parallel_size 1 (this engine has {tp})")
         if n != 1:
             raise RequestError("a disaggregated request takes n=1 (send n requests, each with its own seed)")
 
@@ -328,15 +332,18 @@ class Disaggregation:
         return self._client
 
     def _write(self, sequence: Sequence, header: dict, payload: bytes) -> None:
-        kv = self._engine.kv_cache
+        """Into every rank's cache; checked whole here first, so that no rank fails its part."""
+        runner = self._engine.model_runner
+        kv = runner.kv_cache
         num_tokens = sequence.num_prompt_tokens
-        dtype = getattr(torch, header["dtype"])
+        dtype = getattr(torch, str(header["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"no dtype {header['dtype']!r}")
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(header["shape"])
-        expected = (kv.shape[0], 2, num_tokens, kv.shape[4], kv.shape[5])
+        expected = (kv.shape[0], 2, num_tokens, runner.model.config.num_kv_heads, kv.shape[5])
         if tuple(data.shape) != expected:
             raise ValueError(f"shape {tuple(data.shape)}, expected {expected}")
-        flat = kv.kv_caches.view(kv.shape[0], 2, -1, kv.shape[4], kv.shape[5])
-        flat[:, :, _slots(sequence.block_ids, num_tokens, kv.block_size, flat.device)] = data.to(flat)
+        kv_slices.write(runner, kv_slices.slots_of(sequence.block_ids, num_tokens, kv.block_size), data)
         sequence.num_computed_tokens = num_tokens
         kv.record_full_blocks(sequence, num_tokens)
 
@@ -345,21 +352,6 @@ class Disaggregation:
             self.server.close()
         if self._client is not None:
             self._client.close()
-
-
-def _slots(block_ids: list[int], num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:
-    positions = np.arange(num_tokens)
-    slots = (
-        np.asarray(block_ids, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
-    )
-    return torch.from_numpy(slots).to(device)
-
-
-def _gather(kv_caches: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-    """[layer][key|value][token][kv head][dim] of the first `num_tokens` tokens in the blocks (on the CPU)."""
-    layers, _, _, block_size, heads, dim = kv_caches.shape
-    flat = kv_caches.view(layers, 2, -1, heads, dim)
-    return flat[:, :, _slots(block_ids, num_tokens, block_size, flat.device)].contiguous().cpu()
 
 
 def _reachable(address: str) -> str:

@@ -8,7 +8,8 @@ in its own turns, and hands bytes to them (the cache belongs to the loop's threa
 
 This implementation runs over ZeroMQ (TCP or IPC): frames `[tag, header, payload]`, the header
 JSON (`op`: pull | release | data | error | ok, `disagg_id`, `nonce`, ...), the payload the raw
-keys and values `[layer][key|value][token][kv head][dim]`. The tag is HMAC-SHA256 over header
+keys and values `[layer][key|value][token][kv head][dim]`, every KV head of the model (a
+tensor-parallel engine's rank 0 gathers them from its ranks: `kv_slices`). The tag is HMAC-SHA256 over header
 and payload with the deployment's key: a message that fails it is answered with an unsigned
 error (the peer then reports a key mismatch, not a silent timeout) and never acted on.
 """

@@ -39,7 +39,7 @@ from berth.engine.models.parallel import (
     leave_process_group,
     open_rendezvous,
 )
-from berth.engine.pyexecutor import step_inputs
+from berth.engine.pyexecutor import kv_slices, step_inputs
 from berth.engine.pyexecutor.cuda_graphs import DecodeGraphs
 from berth.engine.pyexecutor.kv_cache import KVCacheManager
 from berth.engine.pyexecutor.memory_budget import cuda_limit, host_limits, plan_kv_cache
@@ -281,10 +281,13 @@ def plan_memory(
 def follow(runner: ModelRunner, config: EngineConfig) -> None:
     """A rank other than 0, once built: runs every step rank 0 broadcasts, until it says stop.
     Between steps rank 0 may send a memory action (a sleep or a wakeup): this rank runs it on
-    its own shard and KV cache, and its outcome goes back to rank 0 (`PyExecutor.memory_actions`)."""
+    its own shard and KV cache, and its outcome goes back to rank 0 (`PyExecutor.memory_actions`);
+    or a KV read or write of a disaggregated request, on this rank's KV heads (`kv_slices`)."""
     memory = rank_memory(runner, config)
     while (message := step_inputs.receive(runner.tp)) is not None:
         if isinstance(message, step_inputs.StepInputs):
             runner.run(message)
+        elif isinstance(message, (step_inputs.KVRead, step_inputs.KVWrite)):
+            kv_slices.follow(runner, message)
         else:
             runner.tp.all_gather_transition_outcomes(memory.apply(message))

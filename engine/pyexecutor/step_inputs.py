@@ -19,7 +19,7 @@ from berth.engine.models.parallel import TensorParallelGroup
 from berth.kernels import AttentionMetadata
 
 # header[0]: what the followers do next
-STOP, RUN, MEMORY = 0, 1, 2
+STOP, RUN, MEMORY, KV_READ, KV_WRITE = 0, 1, 2, 3, 4
 # header: command, tokens, sequences, prefills, block-table width, logit rows, max query len, max seq len
 HEADER_SIZE = 8
 
@@ -54,6 +54,21 @@ class StepInputs:
             max_seq_len=self.max_seq_len,
         )
         return moved(self.input_ids), moved(self.positions), metadata, moved(self.logits_indices)
+
+
+@dataclass
+class KVRead:
+    """Every rank: gather your slice of these KV slots to rank 0 (`kv_slices`)."""
+
+    slots: torch.Tensor  # int64 [T]
+
+
+@dataclass
+class KVWrite:
+    """Every rank: write your slice of `data` (every KV head of the model) into these KV slots."""
+
+    slots: torch.Tensor  # int64 [T]
+    data: torch.Tensor  # uint8: [layer][key|value][token][kv head][dim] in the cache's dtype
 
 
 def broadcast(group: TensorParallelGroup, inputs: StepInputs) -> None:
@@ -101,8 +116,30 @@ def broadcast_memory_action(group: TensorParallelGroup, action: object) -> None:
     group.broadcast_object_from_leader(action)
 
 
-def receive(group: TensorParallelGroup) -> StepInputs | object | None:
-    """Every rank but 0: the next step, a memory action, or None when rank 0 stops the world."""
+def broadcast_kv_read(group: TensorParallelGroup, slots: torch.Tensor) -> None:
+    """Rank 0, between steps: every other rank gathers its slice of `slots` to rank 0 next."""
+    group.broadcast_from_leader(_header(KV_READ, slots.numel()))
+    group.broadcast_from_leader(slots.to(torch.int64))
+
+
+def broadcast_kv_write(group: TensorParallelGroup, slots: torch.Tensor, data: torch.Tensor) -> None:
+    """Rank 0, between steps: every other rank writes its slice of `data` (uint8) into `slots`."""
+    group.broadcast_from_leader(_header(KV_WRITE, slots.numel(), data.numel()))
+    padded = torch.zeros(-(-data.numel() // 8) * 8, dtype=torch.uint8)  # whole int64s
+    padded[: data.numel()] = data
+    group.broadcast_from_leader(torch.cat([slots.to(torch.int64), padded.view(torch.int64)]))
+
+
+def _header(command: int, *values: int) -> torch.Tensor:
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    header[0] = command
+    header[1 : 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    return header
+
+
+def receive(group: TensorParallelGroup) -> StepInputs | KVRead | KVWrite | object | None:
+    """Every rank but 0: the next step, a KV read or write, a memory action, or None when rank 0
+    stops the world."""
     header = torch.empty(HEADER_SIZE, dtype=torch.int64)
     group.broadcast_from_leader(header)
     command, tokens, seqs, prefills, max_blocks, rows, max_query_len, max_seq_len = header.tolist()
@@ -110,6 +147,13 @@ def receive(group: TensorParallelGroup) -> StepInputs | object | None:
         return None
     if command == MEMORY:
         return group.broadcast_object_from_leader()
+    if command in (KV_READ, KV_WRITE):
+        num_slots, num_bytes = tokens, seqs
+        data = torch.empty(num_slots + -(-num_bytes // 8), dtype=torch.int64)
+        group.broadcast_from_leader(data)
+        if command == KV_READ:
+            return KVRead(data)
+        return KVWrite(data[:num_slots], data[num_slots:].view(torch.uint8)[:num_bytes])
     if command != RUN:
         raise RuntimeError(f"unknown step command {command} from rank 0")
     sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * max_blocks, rows]

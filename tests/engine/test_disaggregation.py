@@ -121,9 +121,6 @@ def test_requests_that_cannot_split_are_refused_clearly(context, generation, tin
     handle = context.generate([prompt], GREEDY, disaggregated=ContextOnly())[0].kv_handle
     with pytest.raises(RequestError, match="another prompt"):
         generation.generate([[*prompt[:-1], 10]], GREEDY, disaggregated=GenerationOnly(handle))
-    resharded = dataclasses.replace(handle, layout=dataclasses.replace(handle.layout, tensor_parallel_size=2))
-    with pytest.raises(RequestError, match="over 2 ranks, this engine over 1: resharding"):
-        generation.generate([prompt], GREEDY, disaggregated=GenerationOnly(resharded))
     other_model = dataclasses.replace(handle, layout=dataclasses.replace(handle.layout, num_layers=30))
     with pytest.raises(RequestError, match="does not fit this engine's"):
         generation.generate([prompt], GREEDY, disaggregated=GenerationOnly(other_model))

@@ -51,11 +51,13 @@ def test_greedy_tokens_of_a_world_equal_one_rank_and_transformers(checkpoint, si
     with LLM(path, tensor_parallel_size=size, kv_transfer_key=secrets.token_hex(16), **ENGINE) as world:
         assert sorted(rank_pids(world)) == list(range(size))
         outputs = world.generate(prompts, params)
-        # Disaggregated requests are refused by a world, clearly (each rank holds other heads).
-        handle = KVHandle(
-            "tcp://127.0.0.1:9", "id", (0,), 1, 5, prompt_digest([5]), KVLayout("float32", 16, 2, 2, 16, 1), 0
-        )
-        with pytest.raises(RequestError, match=f"need tensor_parallel_size 1 \\(this engine has {size}\\)"):
+        # A world states the model's KV layout (all its KV heads), not a rank's; another model's
+        # KV (99 layers) is refused.
+        layout = KVLayout("float32", 16, 99, 2, 16, 1)
+        handle = KVHandle("tcp://127.0.0.1:9", "id", (0,), 1, 5, prompt_digest([5]), layout, 0)
+        kv_heads = ModelConfig.from_pretrained(path).num_kv_heads
+        mine = f"this engine's KVLayout\\(.*num_kv_heads={kv_heads}, .*tensor_parallel_size={size}\\)"
+        with pytest.raises(RequestError, match=f"does not fit {mine}"):
             world.generate([[5]], params, disaggregated=GenerationOnly(handle))
         stats = world.executor.stats
         process = world.executor.world_process
