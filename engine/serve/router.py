@@ -260,8 +260,8 @@ def _merged(answers: list[dict]) -> dict:
     return merged
 
 
-async def _whole_events(answered: dict):
-    """A context server's whole answer as the stream chunks one choice would have sent."""
+def _as_chunk(answered: dict) -> dict:
+    """A whole answer (JSON, without usage) as the one stream chunk that would have carried it."""
     chunk = {key: value for key, value in answered.items() if key not in ("kv_handle", "usage")}
     if chunk.get("object") == "chat.completion":
         chunk["object"] = "chat.completion.chunk"
@@ -269,6 +269,12 @@ async def _whole_events(answered: dict):
             {"index": c["index"], "delta": c["message"], "finish_reason": c["finish_reason"]}
             for c in answered["choices"]
         ]
+    return chunk
+
+
+async def _whole_events(answered: dict):
+    """A context server's whole answer as the stream chunks one choice would have sent."""
+    chunk = _as_chunk(answered)
     yield chunk
     if answered.get("usage"):
         yield {**chunk, "choices": [], "usage": answered["usage"]}
@@ -333,17 +339,9 @@ async def _merged_events(sources: list, include_usage: bool, state) -> AsyncIter
 
 def _whole_answer(answered: dict, body: dict):
     """The context server's answer as the client asked for it (a stream of one chunk, or JSON)."""
-    answered = {key: value for key, value in answered.items() if key != "kv_handle"}
     if not body.get("stream"):
-        return JSONResponse(answered)
-    chunk = dict(answered)
-    if chunk.get("object") == "chat.completion":
-        chunk["object"] = "chat.completion.chunk"
-        chunk["choices"] = [
-            {"index": c["index"], "delta": c["message"], "finish_reason": c["finish_reason"]}
-            for c in answered["choices"]
-        ]
-    chunk.pop("usage", None)
+        return JSONResponse({key: value for key, value in answered.items() if key != "kv_handle"})
+    chunk = _as_chunk(answered)
 
     async def events():
         yield f"data: {json.dumps(chunk)}\n\n".encode()
