@@ -13,6 +13,7 @@ reply. A request with `n` > 1 is refused: the engines split single sequences (se
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import logging
@@ -136,6 +137,22 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
     @app.get("/live")
     async def live():
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """200 while each role has a server ready to take requests (a readiness probe's question:
+        a router that could answer none must leave its Service); else 503 naming the roles."""
+
+        async def is_ready(url: str) -> bool:
+            try:
+                return (await client.get(url + "/ready", timeout=2)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        checks = {role: [asyncio.ensure_future(is_ready(u)) for u in urls] for role, urls in routes.items()}
+        waiting = [role for role, started in checks.items() if not any(await asyncio.gather(*started))]
+        body = {"ready": not waiting, "roles_without_a_ready_server": waiting}
+        return JSONResponse(body, status_code=503 if waiting else 200)
 
     @app.get("/health")
     async def health():

@@ -109,6 +109,8 @@ def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_n(split):
         reply = complete(server.url, body)
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "wrong_role", reply.text
     assert httpx.get(f"{router.url}/health", timeout=30).json() == {"healthy": True, "unhealthy": []}
+    ready = httpx.get(f"{router.url}/ready", timeout=30)
+    assert ready.status_code == 200 and ready.json()["roles_without_a_ready_server"] == [], ready.text
     assert httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_NAME
     reply = complete(router.url, {**body, "n": 2})
     assert reply.status_code == 400 and "send n requests" in reply.json()["error"]["message"]
@@ -184,3 +186,5 @@ def test_a_generation_engine_killed_mid_pull_leaves_no_pin_on_the_context_server
     assert complete(router.url, body).status_code >= 500  # the route's generation half is dead, and says so
     health = httpx.get(f"{router.url}/health", timeout=30)
     assert health.status_code == 503 and health.json()["unhealthy"] == [generation.url]
+    ready = httpx.get(f"{router.url}/ready", timeout=30)  # the router's readiness probe
+    assert ready.status_code == 503 and ready.json()["roles_without_a_ready_server"] == ["generation"]
