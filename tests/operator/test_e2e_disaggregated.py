@@ -9,15 +9,23 @@ plain and streamed, is answered by the generation world from the KV cache the co
 rank handed over (the router says so in its log; a failed pull would fail the request), and
 equals transformers' greedy tokens. The KV handle names the context rank's worker pod by its
 stable name, which the generation rank in another pod resolves.
+
+Then the rules of worlds, per world of each pool: `spec.sleep` parks both worlds (the router,
+with no ready server of a role, leaves the Service by its readiness probe) and wakes them; kill
+-9 of the generation world's rank restarts that world whole while the context world and the
+router stay, and the router answers again (it reaches each launcher by its stable name).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,6 +53,44 @@ def rendered_pods(manifest: dict[str, Any], namespace: str) -> dict[str, list[st
             command = child["spec"]["template"]["spec"]["containers"][0]["command"]
             commands[child["metadata"]["name"] + "-"] = command  # its pods' names start so
     return commands
+
+
+def router_name(pods: dict[str, Any]) -> str:
+    (name,) = [name for name in pods if name.startswith(naming.router_name("tiny") + "-")]
+    return name
+
+
+def engine_ranks(kubelet: Kubelet, pod: str) -> list[int]:
+    """The engine rank processes in a worker pod (started by mpirun over that pod's sshd)."""
+    return [
+        pid
+        for pid in kubelet.processes(pod)
+        if "berth.engine.executor.worker" in " ".join(psutil.Process(pid).cmdline())
+    ]
+
+
+async def patch_spec(cluster: Cluster, spec: dict[str, Any]) -> None:
+    await cluster.kubectl("patch", "llmd", "tiny", "--type=merge", "-p", json.dumps({"spec": spec}))
+
+
+async def answer(url: str, request: dict[str, Any]) -> str:
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(f"{url}/completions", json=request, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
+
+
+async def answer_or_none(llmd: e2e.Deployed, request: dict[str, Any]) -> str | None:
+    """An answer through the Service, or None while the router has no ready endpoint or the
+    route is not whole yet (a restarted world's first connection)."""
+    if not llmd.endpoints():
+        return None
+    try:
+        async with httpx.AsyncClient() as http:
+            reply = await http.post(f"{llmd.openai_url()}/completions", json=request, timeout=60)
+    except httpx.HTTPError:
+        return None
+    return reply.json()["choices"][0]["text"] if reply.status_code == 200 else None
 
 
 async def streamed_text(url: str, request: dict[str, Any]) -> str:
@@ -92,9 +138,36 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
         kv_address = first.json()["kv_handle"]["address"]
         runs = list(kubelet.executions)
         pods = {pod["metadata"]["name"]: pod for pod in cluster.objects("v1/pods")}
+        router_pod = router_name(pods)
+        (router_run,) = [run for run in runs if run.pod == router_pod]
+        handovers = router_run.log.read_text().count("done (handle: True)")
+
+        # Sleep applies to every world of both pools: the router, with no ready server of a role,
+        # leaves the Service by its readiness probe; woken, it answers the same again.
+        await patch_spec(cluster, {"sleep": {"sleeping": True, "level": 1}})
+        await llmd.wait(lambda: llmd.status().get("phase") == "Sleeping", 60, "both worlds asleep")
+        asleep = [llmd.world(i)["admission"] for i in (0, 1)]
+        await llmd.wait(lambda: not llmd.endpoints(), 30, "the router out of the Service")
+        await patch_spec(cluster, {"sleep": {"sleeping": False}})
+        await llmd.wait(llmd.endpoints, 60, "the router back in the Service")
+        woken = await answer(llmd.openai_url(), request)
+
+        # kill -9 of the generation world's rank: the operator restarts that world whole (its
+        # launcher and worker pod), the context world and the router stay, and answers come back.
+        uids = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.objects("v1/pods")}
+        (rank,) = engine_ranks(kubelet, "tiny-w1-0")
+        os.kill(rank, signal.SIGKILL)
+        await llmd.wait(lambda: llmd.world(1).get("restarts") == 1, 60, "world 1 restarted")
+        await llmd.wait(lambda: llmd.world(1).get("phase") == "Ready", START_TIMEOUT, "world 1 Ready again")
+        restarted = await llmd.wait(lambda: answer_or_none(llmd, request), 60, "an answer after the restart")
+        now = {pod["metadata"]["name"]: pod["metadata"]["uid"] for pod in cluster.objects("v1/pods")}
+        replaced = {
+            name: now.get(name) not in (None, uids[name]) for name in ("tiny-w1-launcher", "tiny-w1-0")
+        }
+        kept = {name: now.get(name) == uids[name] for name in ("tiny-w0-launcher", "tiny-w0-0", router_pod)}
+        world_0_restarts = llmd.world(0).get("restarts", 0)
 
     # The Service's only endpoint is the router: no launcher takes clients' requests directly.
-    (router_pod,) = [name for name, pod in pods.items() if name.startswith(naming.router_name("tiny") + "-")]
     assert router_ips == [pods[router_pod]["status"]["podIP"]]
     # Every command rendered for this deployment ran in its pod and became ready.
     rendered = rendered_pods(manifest, cluster.namespace)
@@ -104,8 +177,7 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
     assert rendered["tiny-w0-launcher"][rendered["tiny-w0-launcher"].index("--role") + 1] == "context"
     assert rendered["tiny-w1-launcher"][rendered["tiny-w1-launcher"].index("--role") + 1] == "generation"
     # The generation world continued from the context world's KV cache, twice (plain, streamed).
-    (router_run,) = [run for run in runs if run.pod == router_pod]
-    assert router_run.log.read_text().count("done (handle: True)") == 2, router_run.log_tail()
+    assert handovers == 2, router_run.log_tail()
     worker = naming.worker_host("tiny", cluster.namespace, 0, 0)
     assert kv_address.startswith(f"tcp://{worker}") and kv_address.endswith(f":{naming.KV_TRANSFER_PORT}")
     # The answers are one engine's: transformers' greedy tokens on the same checkpoint.
@@ -114,3 +186,7 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
     expected, _ = hf_greedy(model, tokenizer(PROMPT)["input_ids"], MAX_TOKENS)
     assert plain.json()["choices"][0]["text"] == tokenizer.decode(expected)
     assert streamed == tokenizer.decode(expected)
+    # Asleep and woken, restarted: the rules of worlds, per world of each pool.
+    assert asleep == ["parked", "parked"] and woken == tokenizer.decode(expected)
+    assert all(replaced.values()) and all(kept.values()), (replaced, kept)
+    assert world_0_restarts == 0 and restarted == tokenizer.decode(expected)
