@@ -3,8 +3,9 @@ disaggregated serving. Each OpenAI request (`/v1/completions`, `/v1/chat/complet
 first on a context server (`berth serve --role context`) as context-only: its prompt, its first
 token, a KV handle; then on a generation server (`--role generation`) continuing from that
 handle, whose answer (streamed or not) goes to the client as it comes. Servers of a role are
-taken in turn. Both halves carry the same `X-Request-Id` (the client's, or a new one), which the
-servers log with their engines' request ids.
+taken in turn, passing over one that refuses the connection or answers 503 (asleep, draining)
+while another is left. Both halves carry the same `X-Request-Id` (the client's, or a new one),
+which the servers log with their engines' request ids.
 
 A request the first token ends (or with `max_tokens` 1) is answered from the context server's
 reply. A request with `n` > 1 is refused: the engines split single sequences (send `n` requests).
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Awaitable, Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -65,6 +67,27 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
             headers["Authorization"] = request.headers["authorization"]
         return headers
 
+    async def to_one_of(
+        role: str, send: Callable[[str], Awaitable[httpx.Response]]
+    ) -> tuple[str, httpx.Response]:
+        """The first server of `role`, taken in turn, that takes the request. One that refuses the
+        connection or answers 503 (asleep, draining, starting: not ready) is passed over while
+        another is left, as a Service passes over pods that are not ready; neither has begun it."""
+        urls = routes[role]
+        for attempt in range(len(urls)):
+            url, last = next(turns[role]), attempt == len(urls) - 1
+            try:
+                reply = await send(url)
+            except httpx.ConnectError:
+                if last:
+                    raise
+                continue
+            if reply.status_code != 503 or last:
+                return url, reply
+            await reply.aclose()
+            logger.info("%s answered 503: the request goes to another %s server", url, role)
+        raise AssertionError("unreachable: a route has at least one server of each role")
+
     async def route(request: Request, path: str):
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             return error(401, "a valid API key is required (Authorization: Bearer ...)", "invalid_api_key")
@@ -78,12 +101,13 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
             return error(400, "the router splits single sequences: send n requests with n=1", "unsupported_n")
         request_id = request.headers.get(REQUEST_ID) or f"route-{uuid.uuid4().hex}"
         headers = forwarded_headers(request, request_id)
-        context_url = next(turns["context"])
         first_half = {**body, "stream": False, "disaggregated": {"context_only": True}}
         first_half.pop("stream_options", None)
         app.state.in_flight += 1
         try:
-            context = await client.post(context_url + path, json=first_half, headers=headers)
+            context_url, context = await to_one_of(
+                "context", lambda url: client.post(url + path, json=first_half, headers=headers)
+            )
             if context.status_code != 200:
                 return Response(context.content, context.status_code, media_type="application/json")
             answered = context.json()
@@ -93,14 +117,17 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
             )
             if handle is None:  # the first token ended it: the context's answer is the whole answer
                 return _whole_answer(answered, body)
-            generation_url = next(turns["generation"])
             second_half = {**body, "disaggregated": {"kv_handle": handle}}
             if not body.get("stream"):
-                reply = await client.post(generation_url + path, json=second_half, headers=headers)
+                _, reply = await to_one_of(
+                    "generation", lambda url: client.post(url + path, json=second_half, headers=headers)
+                )
                 return Response(reply.content, reply.status_code, media_type="application/json")
-            upstream = await client.send(
-                client.build_request("POST", generation_url + path, json=second_half, headers=headers),
-                stream=True,
+            _, upstream = await to_one_of(
+                "generation",
+                lambda url: client.send(
+                    client.build_request("POST", url + path, json=second_half, headers=headers), stream=True
+                ),
             )
         except httpx.HTTPError as failure:
             return error(502, f"a server of the route did not answer: {failure!r}", "upstream_unavailable")
