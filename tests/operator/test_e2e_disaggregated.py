@@ -13,7 +13,8 @@ stable name, which the generation rank in another pod resolves.
 Then the rules of worlds, per world of each pool: `spec.sleep` parks both worlds (the router,
 with no ready server of a role, leaves the Service by its readiness probe) and wakes them; kill
 -9 of the generation world's rank restarts that world whole while the context world and the
-router stay, and the router answers again (it reaches each launcher by its stable name).
+router stay, and the router answers again (it reaches each launcher by its stable name); a
+rolling change (env) replaces each pool's world in turn, and the answers stay the same.
 """
 
 from __future__ import annotations
@@ -167,6 +168,25 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
         kept = {name: now.get(name) == uids[name] for name in ("tiny-w0-launcher", "tiny-w0-0", router_pod)}
         world_0_restarts = llmd.world(0).get("restarts", 0)
 
+        # A rolling change replaces the worlds of both pools one at a time (drained, then new pods).
+        launchers = ("tiny-w0-launcher", "tiny-w1-launcher")
+        before_rollout = {name: llmd.pod(name)["metadata"]["uid"] for name in launchers}
+        await patch_spec(cluster, {"env": [{"name": "BERTH_ROLLOUT_TEST", "value": "2"}]})
+
+        def rolled_out() -> bool:
+            rollout = llmd.status().get("rollout") or {}
+            uids = [llmd.pod(name).get("metadata", {}).get("uid") for name in launchers]
+            return (
+                bool(rollout.get("complete"))
+                and rollout.get("done") == [0, 1]
+                and llmd.status().get("readyReplicas") == 2
+                and all(uid not in (None, *before_rollout.values()) for uid in uids)
+            )
+
+        await llmd.wait(rolled_out, START_TIMEOUT, "the rollout complete")
+        rolled = await llmd.wait(lambda: answer_or_none(llmd, request), 60, "an answer after the rollout")
+        rollout_replacements = llmd.events("WorldReplaced")
+
     # The Service's only endpoint is the router: no launcher takes clients' requests directly.
     assert router_ips == [pods[router_pod]["status"]["podIP"]]
     # Every command rendered for this deployment ran in its pod and became ready.
@@ -190,3 +210,8 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
     assert asleep == ["parked", "parked"] and woken == tokenizer.decode(expected)
     assert all(replaced.values()) and all(kept.values()), (replaced, kept)
     assert world_0_restarts == 0 and restarted == tokenizer.decode(expected)
+    assert rolled == tokenizer.decode(expected)
+    assert {
+        "world 0 replaced: its launcher pod spec changed",
+        "world 1 replaced: its launcher pod spec changed",
+    } <= set(rollout_replacements), rollout_replacements
