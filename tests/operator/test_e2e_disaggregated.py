@@ -1,6 +1,7 @@
 """Disaggregated prefill and decode on real pods (tests/support/e2e.py): `kubectl apply` of the
 CPU example with `spec.disaggregation` (one context world, one generation world, one rank each),
-the real operator, the cluster's controllers and the test kubelet running every rendered command.
+the real operator, the cluster's controllers and the test kubelet running every rendered command,
+behind the rendered NetworkPolicies (tests/support/network_policy.py).
 
 Asserted: each world's launcher runs `berth launch` with its pool's `--role` (the context world's
 rank, in its worker pod, serves its KV cache on :8003), the router pod runs `berth serve --route`
@@ -36,6 +37,7 @@ from tests.engine.conftest import hf_greedy
 from tests.support import e2e
 from tests.support.cluster import Cluster
 from tests.support.kubelet import Kubelet
+from tests.support.network_policy import Enforcer
 
 START_TIMEOUT = 120.0
 PROMPT, MAX_TOKENS = "the quick brown fox", 12
@@ -113,7 +115,11 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
     manifest = e2e.tiny_cpu_example(models, health=e2e.FAST_HEALTH, disaggregation=POOLS)
     manifest["spec"]["model"]["name"] = "tiny"
     request = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
-    async with e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd:
+    # The rendered NetworkPolicies enforced: the generation rank's pull crosses worlds (:8003).
+    async with (
+        Enforcer(cluster, kubelet).running(),
+        e2e.deployed(cluster, kubelet, manifest, tmp_path) as llmd,
+    ):
         await llmd.wait(
             lambda: all(llmd.world(i).get("phase") in ("Ready", "Failed") for i in (0, 1)),
             START_TIMEOUT,
