@@ -127,6 +127,7 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
         )
         assert [llmd.world(i)["phase"] for i in (0, 1)] == ["Ready", "Ready"], llmd.status().get("worlds")
         assert llmd.status()["replicas"] == 2
+        assert [llmd.world(i).get("pool") for i in (0, 1)] == ["context", "generation"]
         router_ips = await llmd.wait(llmd.endpoints, 60, "the router ready in the Service")
         url = llmd.openai_url()
         async with httpx.AsyncClient() as http:

@@ -172,6 +172,7 @@ STATUS: dict[str, Any] = {
             "ready": True,
             "admission": "running",
             "launcherPod": "llama-w0-launcher",
+            "pool": "context",
             "restarts": 1,
             "restartTimes": [TIME],
             "lastRestartTime": TIME,
