@@ -158,7 +158,10 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
 
     @app.get("/v1/models")
     async def models():
-        reply = await client.get(next(turns["generation"]) + "/v1/models")
+        try:
+            _, reply = await to_one_of("generation", lambda url: client.get(url + "/v1/models"))
+        except httpx.HTTPError as failure:
+            return error(502, f"no generation server answered: {failure!r}", "upstream_unavailable")
         return Response(reply.content, reply.status_code, media_type="application/json")
 
     @app.get("/live")

@@ -172,6 +172,8 @@ def test_the_router_passes_over_servers_that_are_not_ready(split):
             assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected, reply.text
             assert streamed_text(router.url, "/v1/completions", body) == expected
         assert httpx.get(f"{router.url}/ready", timeout=30).status_code == 200
+        for _ in range(3):
+            assert httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_NAME
     finally:
         router.stop()
         unready.stop()
