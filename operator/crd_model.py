@@ -44,10 +44,20 @@ MANAGED_FLAGS = (
     "admin-port",
     "served-model-name",
     "attach",
+    "role",
+    "kv-transfer-endpoint",
 )
 MANAGED_FLAG_PATTERN = r"^--(" + "|".join(MANAGED_FLAGS) + r")(=.*)?$"
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# The KV transfer moves one rank's cache between engines; a tensor-parallel world's is split
+# over its ranks (the engine answers a disaggregated request to a tensor-parallel engine with an
+# error for the same reason).
+POOL_TP_MESSAGE = (
+    "must be 1: disaggregated worlds run one rank each for now (the engine's KV transfer moves "
+    "a single rank's cache; tensor-parallel pools are not supported yet)"
+)
+POOL_TP_RULE = {"rule": "self == 1", "message": f"tensorParallelSize {POOL_TP_MESSAGE}"}
 
 
 def camel_case(name: str) -> str:
@@ -593,6 +603,93 @@ class SchedulingSpec(_Model):
     """Kueue LocalQueue (gang kueue) or Volcano queue (gang volcano)."""
 
 
+class PoolSpec(_Model):
+    """One pool of a disaggregated deployment: its worlds all run one role."""
+
+    replicas: int = Field(default=1, ge=1, le=500)
+    """Worlds in the pool."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=1024, json_schema_extra=_rules(POOL_TP_RULE))
+    """Ranks in one world of the pool; 1 for now (the engine moves one rank's KV cache)."""
+
+
+class DisaggregationSpec(_Model):
+    """Disaggregated prefill and decode: context worlds run prompts (`berth launch --role
+    context`), generation worlds continue from their KV cache (`--role generation`), and a router
+    (`berth serve --route`) is the endpoint Service's only member."""
+
+    context: PoolSpec = Field(default_factory=PoolSpec)
+    """The worlds that run prompts: worlds 0 .. context.replicas - 1."""
+    generation: PoolSpec = Field(default_factory=PoolSpec)
+    """The worlds that generate from the context worlds' KV cache: the worlds after them."""
+
+    @property
+    def worlds(self) -> int:
+        return self.context.replicas + self.generation.replicas
+
+
+_DISAGGREGATED = "!has(self.disaggregation) || "
+DISAGGREGATION_RULES = (
+    {
+        "rule": _DISAGGREGATED + "self.replicas == 1 || self.replicas == "
+        "(has(self.disaggregation.context) ? self.disaggregation.context.replicas : 1) + "
+        "(has(self.disaggregation.generation) ? self.disaggregation.generation.replicas : 1)",
+        "message": "replicas conflicts with disaggregation: the worlds are the pools' (leave replicas "
+        "unset and scale each pool through disaggregation.POOL.replicas)",
+        "fieldPath": ".replicas",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": _DISAGGREGATED + "self.tensorParallelSize == 1",
+        "message": "tensorParallelSize: not with disaggregation (each pool has its own)",
+        "fieldPath": ".tensorParallelSize",
+        "reason": "FieldValueForbidden",
+    },
+    {
+        "rule": _DISAGGREGATED + "self.frontends == 0",
+        "message": "frontends: not with disaggregation (the router is the endpoint)",
+        "fieldPath": ".frontends",
+        "reason": "FieldValueForbidden",
+    },
+    {
+        "rule": _DISAGGREGATED + "!has(self.autoscaling)",
+        "message": "autoscaling: not with disaggregation yet (scale each pool through "
+        "disaggregation.POOL.replicas)",
+        "fieldPath": ".autoscaling",
+        "reason": "FieldValueForbidden",
+    },
+)
+
+
+def disaggregation_problems(spec: LLMDeploymentSpec) -> list[str]:
+    """What spec.disaggregation cannot be combined with (the CRD's rules say the same)."""
+    pools = spec.disaggregation
+    problems = []
+    if spec.replicas not in (1, pools.worlds):
+        problems.append(
+            f"replicas ({spec.replicas}) conflicts with disaggregation: the worlds are the pools' "
+            f"({pools.context.replicas} context + {pools.generation.replicas} generation); leave replicas "
+            "unset and scale each pool through disaggregation.POOL.replicas"
+        )
+    if spec.tensor_parallel_size != 1:
+        problems.append(
+            "tensorParallelSize: not with disaggregation (each pool has its own, "
+            "disaggregation.POOL.tensorParallelSize)"
+        )
+    for name, pool in (("context", pools.context), ("generation", pools.generation)):
+        if pool.tensor_parallel_size != 1:
+            problems.append(f"disaggregation.{name}.tensorParallelSize {POOL_TP_MESSAGE}")
+    if spec.frontends:
+        problems.append(
+            "frontends: not with disaggregation (the router is the endpoint; "
+            "attach frontends would bypass it)"
+        )
+    if spec.autoscaling is not None:
+        problems.append(
+            "autoscaling: not with disaggregation yet (scale each pool through disaggregation.POOL.replicas)"
+        )
+    return problems
+
+
 ENGINE_ARGS_RULE = {
     "rule": "self.all(a, !a.matches('^--(" + "|".join(MANAGED_FLAGS) + ")(=.*)?$'))",
     "message": "engineArgs must not set "
@@ -622,6 +719,7 @@ class LLMDeploymentSpec(_Model):
                 "fieldPath": ".resources",
                 "reason": "FieldValueForbidden",
             },
+            *DISAGGREGATION_RULES,
         )
     )
 
@@ -685,6 +783,10 @@ class LLMDeploymentSpec(_Model):
     Unset: `replicas` worlds, changed only through the spec or the scale subresource."""
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     """Ingress rules for the deployment's pods (on by default)."""
+    disaggregation: DisaggregationSpec | None = None
+    """Disaggregated prefill and decode: a pool of context worlds, a pool of generation worlds
+    and a router in front of them. The worlds are the pools' (replicas is their sum: leave it
+    unset); not with frontends, autoscaling or a tensorParallelSize other than 1."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> LLMDeploymentSpec:
@@ -719,7 +821,20 @@ class LLMDeploymentSpec(_Model):
         names = [schedule.name for schedule in self.sleep_schedules]
         if len(names) != len(set(names)):
             raise ValueError("sleepSchedules names must be unique")
+        if self.disaggregation is not None:
+            problems = disaggregation_problems(self)
+            if problems:
+                raise ValueError("; ".join(problems))
+            # The worlds are the pools' (context first): everything that counts worlds (the
+            # reconcile, health rounds, rollouts, scale-down) counts them through replicas.
+            object.__setattr__(self, "replicas", self.disaggregation.worlds)
         return self
+
+    def pool_of(self, world: int) -> str | None:
+        """'context' or 'generation' for a world of a disaggregated deployment, else None."""
+        if self.disaggregation is None:
+            return None
+        return "context" if world < self.disaggregation.context.replicas else "generation"
 
     @property
     def nodes_per_world(self) -> int:

@@ -170,6 +170,8 @@ class WorldStatus(_Status):
     """Engine admission state (running, parking, parked, waking, failed)."""
     launcher_pod: str | None = None
     """Name of the world's launcher pod."""
+    pool: str | None = None
+    """With spec.disaggregation: context or generation, the pool the world belongs to."""
     restarts: int | None = None
     """Whole-world restarts so far."""
     restart_times: list[Time] | None = None

@@ -22,6 +22,8 @@ ENDPOINT = "berth.dev/endpoint"
 SPEC_HASH = "berth.dev/spec-hash"
 # The digest of the rendering the operator last applied to a child (reconcile.applied_config).
 APPLIED = "berth.dev/applied"
+# A disaggregated deployment's world pods: the pool (context | generation) the world belongs to.
+POOL = "berth.dev/pool"
 # On a world's pods that a node drain may evict: the world is parked (operator/disruption.py),
 # and its PodDisruptionBudget selects only pods without this label.
 EVICTABLE = "berth.dev/evictable"
@@ -33,6 +35,8 @@ ATTACH_PORT = 8001  # the launcher's attach port for frontends
 ACTIVATOR_ADMIN_PORT = 8002  # the activator's port for the operator (no Service exposes it)
 ADMIN_PORT = 8002  # the launcher's /admin routes: for the operator only, no Service exposes it
 SSH_PORT = 22
+# Where a context world's rank 0 (on its first worker pod) serves its KV cache to generation worlds.
+KV_TRANSFER_PORT = 8003
 
 HOSTFILE_DIR = "/etc/berth/hostfile"
 HOSTFILE_PATH = f"{HOSTFILE_DIR}/hostfile"
@@ -64,6 +68,11 @@ def frontend_name(deployment: str, world: int) -> str:
 def worker_pod_name(deployment: str, world: int, ordinal: int) -> str:
     """The name the StatefulSet controller gives worker `ordinal`."""
     return f"{world_name(deployment, world)}-{ordinal}"
+
+
+def router_name(deployment: str) -> str:
+    """The router Deployment of a disaggregated deployment."""
+    return f"{deployment}-router"
 
 
 def activator_name(deployment: str) -> str:

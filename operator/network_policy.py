@@ -10,6 +10,9 @@ Per world `i` of deployment NAME (spec.networkPolicy.enabled, on by default):
                     from this world's launcher and workers.
   NAME-wI-frontend  the frontends: the OpenAI port from anywhere; the collective range from
                     this world's launcher (the engine's result lanes).
+A disaggregated context world's workers also take the KV transfer port (8003) from the
+deployment's workers (generation ranks pull there); the router pods, like the activator, have
+no policy (they take the OpenAI port from anywhere and hold no engine).
 Everything else to these pods is denied (a policy that selects a pod denies what it does not
 allow). Egress stays open: the pods reach the model store, and each other as allowed above.
 """
@@ -59,9 +62,13 @@ def _policy(
 
 
 def world_policies(
-    metadata: dict[str, Any], deployment: str, world: int, frontends: bool
+    metadata: dict[str, Any], deployment: str, world: int, frontends: bool, serves_kv: bool = False
 ) -> list[dict[str, Any]]:
-    """The world's policies; `metadata`: namespace, labels and owner reference (render.py's)."""
+    """The world's policies; `metadata`: namespace, labels and owner reference (render.py's).
+    `serves_kv`: a disaggregated context world, whose rank 0 serves its KV cache to the
+    deployment's other workers (the generation worlds' ranks) on KV_TRANSFER_PORT."""
+    workers = {"podSelector": {"matchLabels": {naming.DEPLOYMENT: deployment, naming.ROLE: "worker"}}}
+    kv_transfer = [{"ports": [_port(naming.KV_TRANSFER_PORT)], "from": [workers]}]
     policies = [
         _policy(
             metadata,
@@ -83,6 +90,7 @@ def world_policies(
             [
                 {"ports": [_port(naming.SSH_PORT)], "from": _peers(deployment, world, "launcher")},
                 {"ports": [EPHEMERAL], "from": _peers(deployment, world, "launcher", "worker")},
+                *(kv_transfer if serves_kv else []),
             ],
         ),
     ]

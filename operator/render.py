@@ -10,7 +10,8 @@ Per world `i` of deployment NAME (naming.py has the names):
   NAME-wI-launcher   Pod          `berth launch`: mpirun over the hostfile, proxy, OpenAI server
   NAME-wI-frontend   Deployment   `berth serve --attach` (only when spec.frontends > 0)
   NAME-wI-ROLE       NetworkPolicy  ingress of the world's pods (network_policy.py; opt-out)
-Per deployment: the Service NAME (the OpenAI endpoint) and three Secrets (credentials.py).
+Per deployment: the Service NAME (the OpenAI endpoint) and three Secrets (credentials.py); with
+spec.disaggregation, the Deployment NAME-router (`berth serve --route`), the Service's members.
 """
 
 from __future__ import annotations
@@ -305,6 +306,17 @@ def worker_resources(spec: LLMDeploymentSpec) -> dict[str, dict[str, str]]:
 # --- per world -----------------------------------------------------------------------------
 
 
+def world_role_labels(spec: LLMDeploymentSpec, deployment: str, world: int, role: str) -> dict[str, str]:
+    """A world pod's labels. A disaggregated world's carry its pool, and its launcher is no
+    endpoint: the router is the Service's only member (a client's request must go through it)."""
+    labels = naming.role_labels(deployment, world, role)
+    pool = spec.pool_of(world)
+    if pool is not None:
+        labels[naming.POOL] = pool
+        labels.pop(naming.ENDPOINT, None)
+    return labels
+
+
 def hostfile(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     slots = spec.gpus_per_node or 1
     lines = [
@@ -426,7 +438,7 @@ def worker_statefulset(
     owner: Owner, spec: LLMDeploymentSpec, world: int, released: bool = False
 ) -> dict[str, Any]:
     """`released`: the world gave its pods back for lack of room (gang.py): no worker pod."""
-    labels = naming.role_labels(owner.name, world, "worker")
+    labels = world_role_labels(spec, owner.name, world, "worker")
     selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.WORLD, naming.ROLE)}
     pod_spec = worker_pod_spec(owner, spec, world)
     return {
@@ -458,7 +470,7 @@ def worker_statefulset(
     }
 
 
-def launcher_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
+def launcher_command(owner: Owner, spec: LLMDeploymentSpec, world: int = 0) -> list[str]:
     command = [
         "berth",
         "launch",
@@ -484,7 +496,21 @@ def launcher_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
         command += ["--served-model-name", spec.served_model_name]
     if spec.model.revision:
         command += ["--model-revision", spec.model.revision]
-    return command + _shutdown_timeout(spec) + list(spec.engine_args)
+    return command + pool_arguments(spec, world) + _shutdown_timeout(spec) + list(spec.engine_args)
+
+
+def pool_arguments(spec: LLMDeploymentSpec, world: int) -> list[str]:
+    """A disaggregated world's role. A context world's rank 0 (on its first worker pod) serves
+    its KV cache on every address of that pod; the handle it gives out names the pod by its
+    fully qualified name (NAME-wI-0.NAME-wI.NS.svc...), which generation pods resolve. Both pools
+    sign transfers with the deployment's engine key (BERTH_ENGINE_KEY, one Secret)."""
+    pool = spec.pool_of(world)
+    if pool is None:
+        return []
+    arguments = ["--role", pool]
+    if pool == "context":
+        arguments += ["--kv-transfer-endpoint", f"tcp://0.0.0.0:{naming.KV_TRANSFER_PORT}"]
+    return arguments
 
 
 def launcher_model(command: list[str]) -> tuple[str | None, str | None]:
@@ -512,7 +538,7 @@ def launcher_pod_spec(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict
                 "name": "launcher",
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
-                "command": launcher_command(owner, spec),
+                "command": launcher_command(owner, spec, world),
                 "ports": [
                     {"name": "http", "containerPort": naming.ENGINE_PORT},
                     {"name": "attach", "containerPort": naming.ATTACH_PORT},
@@ -552,7 +578,7 @@ def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str,
                 _metadata(
                     owner,
                     naming.launcher_pod_name(owner.name, world),
-                    naming.role_labels(owner.name, world, "launcher"),
+                    world_role_labels(spec, owner.name, world, "launcher"),
                     {naming.SPEC_HASH: spec_hash(pod_spec)},
                 ),
                 spec.launcher.template,
@@ -567,10 +593,12 @@ def launcher_pod(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str,
 
 def pod_specs_digest(owner: Owner, spec: LLMDeploymentSpec) -> str:
     """What a rollout rolls to: a digest of the pod specs the spec renders (world 0's; every
-    world's differ from it only by their names)."""
-    return spec_hash(
-        {"launcher": launcher_pod_spec(owner, spec, 0), "worker": worker_pod_spec(owner, spec, 0)}
-    )
+    world's differ from it only by their names, and a disaggregated deployment's by their pool:
+    the last world, a generation world's, counts too)."""
+    specs = {"launcher": launcher_pod_spec(owner, spec, 0), "worker": worker_pod_spec(owner, spec, 0)}
+    if spec.disaggregation is not None:
+        specs["generation"] = launcher_pod_spec(owner, spec, spec.replicas - 1)
+    return spec_hash(specs)
 
 
 def frontend_command(owner: Owner, world: int) -> list[str]:
@@ -688,7 +716,9 @@ def world_children(
     if spec.network_policy.enabled:
         # Before the pods: they start with their ingress closed (network_policy.py).
         metadata = _metadata(owner, "", naming.world_labels(owner.name, world))
-        children[:0] = network_policy.world_policies(metadata, owner.name, world, bool(spec.frontends))
+        children[:0] = network_policy.world_policies(
+            metadata, owner.name, world, bool(spec.frontends), spec.pool_of(world) == "context"
+        )
     return children
 
 
@@ -724,16 +754,60 @@ def activator_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    # Placed like the frontends (CPU pods with no engine): their template's pod fields, without
-    # the containers, init containers and volumes that are the frontend's own.
+    template = _frontend_placement(spec)
+    pod = _non_root_pod_spec(spec, "activator", container, template)
+    return _non_root_deployment(owner, naming.activator_name(owner.name), labels, selector, 1, pod, template)
+
+
+def _frontend_placement(spec: LLMDeploymentSpec) -> pod_template.PodTemplate:
+    """For CPU pods with no engine (activator, router), placed like the frontends: the frontend
+    template's pod fields, without the containers, init containers and volumes that are its own."""
     frontend = spec.frontend.template
-    template = frontend.model_copy(
+    return frontend.model_copy(
         update={
             "spec": frontend.spec.model_copy(update={"containers": (), "init_containers": (), "volumes": ()})
         }
     )
-    pod = _non_root_pod_spec(spec, "activator", container, template)
-    return _non_root_deployment(owner, naming.activator_name(owner.name), labels, selector, 1, pod, template)
+
+
+def router_command(owner: Owner, spec: LLMDeploymentSpec) -> list[str]:
+    """`berth serve --route`: each request's prompt on a context world, its continuation on a
+    generation world, both reached at their launchers' stable names."""
+    routes: dict[str, list[str]] = {"context": [], "generation": []}
+    for world in range(spec.replicas):
+        host = naming.launcher_host(owner.name, owner.namespace, world)
+        routes[spec.pool_of(world) or "context"].append(f"http://{host}:{naming.ENGINE_PORT}")
+    command = ["berth", "serve"]
+    for pool, urls in routes.items():
+        command += ["--route", f"{pool}={','.join(urls)}"]
+    return [*command, "--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT), *_shutdown_timeout(spec)]
+
+
+def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
+    """The disaggregated deployment's front door: the endpoint Service's only members."""
+    labels = {
+        **naming.common_labels(owner.name),
+        naming.ROLE: "router",
+        naming.COMPONENT: "router",
+        naming.ENDPOINT: "true",
+    }
+    selector = {key: labels[key] for key in (naming.DEPLOYMENT, naming.ROLE)}
+    container = {
+        "name": "router",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": router_command(owner, spec),
+        "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT}],
+        # The user's variables only (BERTH_API_KEY, proxies): the router holds no engine secret.
+        "env": [var.as_dict() for var in spec.env],
+        "resources": spec.launcher_resources.as_dict(),
+        **_http_probes(spec),
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    template = _frontend_placement(spec)
+    pod = _non_root_pod_spec(spec, "router", container, template, termination_grace_seconds(spec))
+    return _non_root_deployment(owner, naming.router_name(owner.name), labels, selector, 1, pod, template)
 
 
 def endpoint_service(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
@@ -758,6 +832,8 @@ def children(
     result: list[dict[str, Any]] = []
     for world in range(spec.replicas):
         result += world_children(owner, spec, world, world in released)
+    if spec.disaggregation is not None:
+        result.append(router_deployment(owner, spec))
     result.append(endpoint_service(owner, spec))
     if spec.scales_to_zero:
         result.append(activator_deployment(owner, spec))

@@ -3,8 +3,9 @@ disaggregated serving. Each OpenAI request (`/v1/completions`, `/v1/chat/complet
 first on a context server (`berth serve --role context`) as context-only: its prompt, its first
 token, a KV handle; then on a generation server (`--role generation`) continuing from that
 handle, whose answer (streamed or not) goes to the client as it comes. Servers of a role are
-taken in turn. Both halves carry the same `X-Request-Id` (the client's, or a new one), which the
-servers log with their engines' request ids.
+taken in turn, passing over one that refuses the connection or answers 503 (asleep, draining)
+while another is left. Both halves carry the same `X-Request-Id` (the client's, or a new one),
+which the servers log with their engines' request ids.
 
 A request the first token ends (or with `max_tokens` 1) is answered from the context server's
 reply. The engines split single sequences, so a request with `n` > 1 runs as `n` splits whose
@@ -22,7 +23,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -68,6 +69,27 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
         if request.headers.get("authorization"):
             headers["Authorization"] = request.headers["authorization"]
         return headers
+
+    async def to_one_of(
+        role: str, send: Callable[[str], Awaitable[httpx.Response]]
+    ) -> tuple[str, httpx.Response]:
+        """The first server of `role`, taken in turn, that takes the request. One that refuses the
+        connection or answers 503 (asleep, draining, starting: not ready) is passed over while
+        another is left, as a Service passes over pods that are not ready; neither has begun it."""
+        urls = routes[role]
+        for attempt in range(len(urls)):
+            url, last = next(turns[role]), attempt == len(urls) - 1
+            try:
+                reply = await send(url)
+            except httpx.ConnectError:
+                if last:
+                    raise
+                continue
+            if reply.status_code != 503 or last:
+                return url, reply
+            await reply.aclose()
+            logger.info("%s answered 503: the request goes to another %s server", url, role)
+        raise AssertionError("unreachable: a route has at least one server of each role")
 
     async def route(request: Request, path: str):
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -121,10 +143,11 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
 
     async def context_half(body: dict, path: str, headers: dict, request_id: str) -> dict | Response:
         """The context server's JSON answer (its `kv_handle` None when the first token ended it)."""
-        context_url = next(turns["context"])
         first_half = {**body, "stream": False, "disaggregated": {"context_only": True}}
         first_half.pop("stream_options", None)
-        reply = await client.post(context_url + path, json=first_half, headers=headers)
+        context_url, reply = await to_one_of(
+            "context", lambda url: client.post(url + path, json=first_half, headers=headers)
+        )
         if reply.status_code != 200:
             return Response(reply.content, reply.status_code, media_type="application/json")
         answered = reply.json()
@@ -141,14 +164,17 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
         body: dict, handle: dict, path: str, headers: dict
     ) -> Response | httpx.Response:
         """The generation server's answer: a Response when not streamed or refused, else its open stream."""
-        generation_url = next(turns["generation"])
         second_half = {**body, "disaggregated": {"kv_handle": handle}}
         if not body.get("stream"):
-            reply = await client.post(generation_url + path, json=second_half, headers=headers)
+            _, reply = await to_one_of(
+                "generation", lambda url: client.post(url + path, json=second_half, headers=headers)
+            )
             return Response(reply.content, reply.status_code, media_type="application/json")
-        upstream = await client.send(
-            client.build_request("POST", generation_url + path, json=second_half, headers=headers),
-            stream=True,
+        _, upstream = await to_one_of(
+            "generation",
+            lambda url: client.send(
+                client.build_request("POST", url + path, json=second_half, headers=headers), stream=True
+            ),
         )
         if upstream.status_code != 200:
             content = await upstream.aread()
@@ -221,12 +247,31 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
 
     @app.get("/v1/models")
     async def models():
-        reply = await client.get(next(turns["generation"]) + "/v1/models")
+        try:
+            _, reply = await to_one_of("generation", lambda url: client.get(url + "/v1/models"))
+        except httpx.HTTPError as failure:
+            return error(502, f"no generation server answered: {failure!r}", "upstream_unavailable")
         return Response(reply.content, reply.status_code, media_type="application/json")
 
     @app.get("/live")
     async def live():
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """200 while each role has a server ready to take requests (a readiness probe's question:
+        a router that could answer none must leave its Service); else 503 naming the roles."""
+
+        async def is_ready(url: str) -> bool:
+            try:
+                return (await client.get(url + "/ready", timeout=2)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        checks = {role: [asyncio.ensure_future(is_ready(u)) for u in urls] for role, urls in routes.items()}
+        waiting = [role for role, started in checks.items() if not any(await asyncio.gather(*started))]
+        body = {"ready": not waiting, "roles_without_a_ready_server": waiting}
+        return JSONResponse(body, status_code=503 if waiting else 200)
 
     @app.get("/health")
     async def health():

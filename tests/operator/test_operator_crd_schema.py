@@ -223,7 +223,38 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "engineArgs sets a managed flag",
         with_spec(engineArgs=["--max-num-seqs=8", "--admin-port=9000"]),
         "engineArgs must not set --hostfile, --tensor-parallel-size, --gpus-per-node, --host, --port, "
-        "--admin-port, --served-model-name or --attach: the operator sets them from the spec",
+        "--admin-port, --served-model-name, --attach, --role or --kv-transfer-endpoint: "
+        "the operator sets them from the spec",
+    ),
+    (
+        "engineArgs sets a disaggregated role",
+        with_spec(engineArgs=["--role=context"]),
+        "engineArgs must not set",
+    ),
+    (
+        "disaggregation with replicas that are not the pools'",
+        with_spec(replicas=3, disaggregation={"context": {"replicas": 1}}),
+        "replicas conflicts with disaggregation: the worlds are the pools'",
+    ),
+    (
+        "disaggregation with a tensor-parallel pool",
+        with_spec(disaggregation={"generation": {"tensorParallelSize": 2}}),
+        "tensorParallelSize must be 1: disaggregated worlds run one rank each for now",
+    ),
+    (
+        "disaggregation with a deployment-wide tensorParallelSize",
+        with_spec(tensorParallelSize=2, gpusPerNode=1, disaggregation={}),
+        "tensorParallelSize: not with disaggregation (each pool has its own)",
+    ),
+    (
+        "disaggregation with frontends",
+        with_spec(frontends=1, disaggregation={}),
+        "frontends: not with disaggregation (the router is the endpoint)",
+    ),
+    (
+        "disaggregation with autoscaling",
+        with_spec(autoscaling={"maxReplicas": 2, "target": 4}, disaggregation={}),
+        "autoscaling: not with disaggregation yet",
     ),
     ("bad env name", with_spec(env=[{"name": "1BAD", "value": "x"}]), "'1BAD' does not match"),
     ("sleep level 3", with_spec(sleep={"sleeping": True, "level": 3}), "3 is not one of [1, 2]"),
@@ -326,7 +357,7 @@ def test_bad_documents_are_rejected_with_the_expected_message(
 
 def test_every_cel_rule_compiles_and_has_a_message() -> None:
     rules = list(rule_sites(SCHEMA))
-    assert len(rules) == 19  # the container-template rule once per role
+    assert len(rules) == 25  # the container-template rule once per role, the pools' rule once per pool
     for _, rule in rules:
         cel_rules.program(rule["rule"])  # raises RuleError when cel-python cannot compile it
         assert rule.get("message"), f"rule without a message: {rule['rule']}"

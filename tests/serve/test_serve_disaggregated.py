@@ -6,10 +6,13 @@ after prefill fails the request clearly and the generation server keeps no block
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import secrets
 import signal
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -164,11 +167,71 @@ def test_roles_refuse_what_is_not_theirs_and_the_router_refuses_best_of(split):
         reply = complete(server.url, body)
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "wrong_role", reply.text
     assert httpx.get(f"{router.url}/health", timeout=30).json() == {"healthy": True, "unhealthy": []}
+    ready = httpx.get(f"{router.url}/ready", timeout=30)
+    assert ready.status_code == 200 and ready.json()["roles_without_a_ready_server"] == [], ready.text
     assert httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_NAME
     reply = complete(router.url, {**body, "n": 2, "best_of": 3})
     assert reply.status_code == 400 and "best of several" in reply.json()["error"]["message"]
     ended = complete(router.url, {**body, "max_tokens": 1})  # the context server's answer is the whole answer
     assert ended.status_code == 200 and ended.json()["choices"][0]["finish_reason"] == "length"
+
+
+class Unready:
+    """A server that answers every request 503, as a parked or draining engine does."""
+
+    def __init__(self) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self) -> None:
+                self.send_response(503)
+                self.send_header("Retry-After", "1")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens once it is closed
+
+
+def test_the_router_passes_over_servers_that_are_not_ready(split):
+    """A route's server that refuses connections or answers 503 is passed over while another
+    of its role is left (as a Service passes over unready pods); the router stays ready."""
+    context, generation, _ = split
+    unready = Unready()
+    routes = (
+        ("--route", f"context={unready.url},{closed_port_url()},{context.url}"),
+        ("--route", f"generation={closed_port_url()},{unready.url},{generation.url}"),
+    )
+    router = ServerProcess(None, *routes[0], *routes[1], router=True)
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        expected = complete(split[2].url, body).json()["choices"][0]["text"]
+        for _ in range(3):  # each turn starts at another server of each role
+            reply = complete(router.url, body)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected, reply.text
+            assert streamed_text(router.url, "/v1/completions", body) == expected
+        assert httpx.get(f"{router.url}/ready", timeout=30).status_code == 200
+        for _ in range(3):
+            assert httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_NAME
+    finally:
+        router.stop()
+        unready.stop()
 
 
 def test_a_client_that_leaves_mid_stream_aborts_on_both_servers(split):
@@ -239,3 +302,5 @@ def test_a_generation_engine_killed_mid_pull_leaves_no_pin_on_the_context_server
     assert complete(router.url, body).status_code >= 500  # the route's generation half is dead, and says so
     health = httpx.get(f"{router.url}/health", timeout=30)
     assert health.status_code == 503 and health.json()["unhealthy"] == [generation.url]
+    ready = httpx.get(f"{router.url}/ready", timeout=30)  # the router's readiness probe
+    assert ready.status_code == 503 and ready.json()["roles_without_a_ready_server"] == ["generation"]

@@ -172,6 +172,7 @@ STATUS: dict[str, Any] = {
             "ready": True,
             "admission": "running",
             "launcherPod": "llama-w0-launcher",
+            "pool": "context",
             "restarts": 1,
             "restartTimes": [TIME],
             "lastRestartTime": TIME,
@@ -245,7 +246,8 @@ def full_object(name: str = "llama") -> dict[str, Any]:
 
 
 def full_objects() -> list[dict[str, Any]]:
-    """The full object and variants for the fields that exclude each other (one volume source)."""
+    """The full object and variants for the fields that exclude each other (one volume source,
+    disaggregation)."""
     variants = [full_object()]
     for name, source in (
         ("llama-host", {"hostPath": {"path": "/srv/models"}}),
@@ -254,6 +256,15 @@ def full_objects() -> list[dict[str, Any]]:
         variant = full_object(name)
         variant["spec"]["model"]["volume"] = {"mountPath": "/models", **source}
         variants.append(variant)
+    # Disaggregated: the pools' fields, without what disaggregation excludes.
+    split = full_object("llama-split")
+    for excluded in ("frontends", "autoscaling", "tensorParallelSize"):
+        del split["spec"][excluded]
+    split["spec"]["disaggregation"] = {
+        "context": {"replicas": 1, "tensorParallelSize": 1},
+        "generation": {"replicas": 1, "tensorParallelSize": 1},
+    }
+    variants.append(split)
     return variants
 
 
