@@ -62,11 +62,9 @@ def pod_image(tmp_path_factory: pytest.TempPathFactory) -> Image:
 @pytest.fixture
 async def kubelet(cluster: Cluster, pod_image: Image, tmp_path: Path) -> AsyncIterator[Kubelet]:
     """The real kubelet: every pod runs as processes in its own namespaces (needs root: fails
-    loudly without it). Everything it made is gone afterwards; pods it refused fail the test."""
-    kubelet = Kubelet(cluster.server, tmp_path / "node", pod_image)
-    async with kubelet.running():
+    loudly without it), on its one node."""
+    async with e2e.running_kubelet(cluster, pod_image, tmp_path) as kubelet:
         yield kubelet
-    assert not kubelet.problems, f"the test kubelet refused pods: {kubelet.problems}"
 
 
 @pytest.fixture

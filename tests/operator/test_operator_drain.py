@@ -12,14 +12,12 @@ always serves, no request fails, no restart is counted, and the drain finishes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
@@ -29,6 +27,7 @@ from tests.support.engine_endpoint import START_TIMEOUT, EngineFleet
 from tests.support.kube_emulator import disruptions_allowed
 from tests.support.operator_runner import running_operator
 from tests.support.scheduler import Scheduler, node
+from tests.support.steady_client import steady_client
 
 LLMD = "berth.dev/v1alpha1/llmdeployments"
 NAME = "duo"
@@ -91,53 +90,13 @@ def world_of(pod: str) -> int:
     return int(pod.removeprefix(f"{NAME}-w").split("-")[0])
 
 
-@contextlib.asynccontextmanager
-async def steady_client(fleet: EngineFleet) -> AsyncIterator[dict[str, Any]]:
-    """Requests one after another to a world whose /ready is 200 (what the Service routes to),
-    in turn. A 503 with Retry-After (admission closed between the check and the request) is
-    retried elsewhere; any other answer that is not complete fails."""
-    tally: dict[str, Any] = {"ok": [], "refused": 0, "failed": [], "nothing_ready": []}
-
-    async def loop() -> None:
-        async with httpx.AsyncClient() as client:
-            turn = 0
-            while True:
-                turn += 1
-                ready = []
-                for index, name in enumerate(LAUNCHERS):
-                    with contextlib.suppress(AssertionError, httpx.HTTPError):
-                        endpoint = fleet.for_pod(name)
-                        if (await client.get(f"{endpoint.url}/ready", timeout=2)).status_code == 200:
-                            ready.append((index, endpoint))
-                if not ready:
-                    tally["nothing_ready"].append(time.monotonic())
-                    await asyncio.sleep(0.05)
-                    continue
-                index, endpoint = ready[turn % len(ready)]
-                body = {"model": str(fleet.model), "prompt": "hello", "max_tokens": 8, "ignore_eos": True}
-                try:
-                    response = await client.post(f"{endpoint.url}/v1/completions", json=body, timeout=30)
-                except httpx.HTTPError as error:
-                    tally["failed"].append(f"world {index}: {type(error).__name__}")
-                    continue
-                if response.status_code == 503 and "retry-after" in response.headers:
-                    tally["refused"] += 1
-                elif (
-                    response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
-                ):
-                    tally["ok"].append((time.monotonic(), index))
-                else:
-                    tally["failed"].append(
-                        f"world {index}: HTTP {response.status_code} {response.text[:200]}"
-                    )
-
-    task = asyncio.create_task(loop())
-    try:
-        yield tally
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+def launchers(fleet: EngineFleet) -> list[tuple[int, str]]:
+    """(world, server URL) of each launcher pod that has a server now."""
+    found = []
+    for index, name in enumerate(LAUNCHERS):
+        with contextlib.suppress(AssertionError):
+            found.append((index, fleet.for_pod(name).url))
+    return found
 
 
 def pod(name: str, ready: bool = True, app: str = "x", **meta: Any) -> dict[str, Any]:
@@ -215,7 +174,7 @@ async def test_a_drain_evicts_one_parked_world_at_a_time_while_the_other_serves(
         now = worlds(cluster)
         samples.append((time.monotonic(), [w.get("phase") for w in now], [w.get("admission") for w in now]))
 
-    async with steady_client(fleet) as tally, sampling(sample, 0.1):
+    async with steady_client(lambda: launchers(fleet), str(fleet.model)) as tally, sampling(sample, 0.1):
         await wait_for(lambda: len(tally["ok"]) >= 4, 30, "the client served")
         drained = await drain(cluster, "node-a", timeout=3 * START_TIMEOUT)
         await wait_for(

@@ -21,14 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from berth.operator import naming, render
 from berth.operator.crd_model import parse_spec
 from tests.support.cluster import Cluster, ClusterSim, wait_for
+from tests.support.image import Image
 from tests.support.kubelet import Kubelet
 from tests.support.operator_runner import running_operator
 from tests.support.pod_state import Execution
+from tests.support.scheduler import Scheduler
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_EXAMPLE = REPO / "manifests" / "examples" / "llmdeployment-cpu.yaml"
@@ -42,6 +45,18 @@ FAST_HEALTH = dict(
     maxBackoffSeconds=1,
     startupTimeoutSeconds=120,
 )
+
+
+@contextlib.asynccontextmanager
+async def running_kubelet(
+    cluster: Cluster, image: Image, tmp_path: Path, scheduler: Scheduler | None = None
+) -> AsyncIterator[Kubelet]:
+    """The test kubelet (under `scheduler`: it runs the pods the scheduler bound, on their
+    nodes); everything it made is gone afterwards, and pods it refused fail the test."""
+    kubelet = Kubelet(cluster.server, tmp_path / "node", image, scheduler=scheduler)
+    async with kubelet.running():
+        yield kubelet
+    assert not kubelet.problems, f"the test kubelet refused pods: {kubelet.problems}"
 
 
 def shareable_copy(model: Path, into: Path) -> Path:
@@ -139,6 +154,29 @@ class Deployed:
             and self.pod_ready(pod["metadata"]["name"])
         ]
 
+    def nodes(self) -> dict[str, str]:
+        """Pod -> node of the deployment's pods that are bound to a node and not going away."""
+        return {
+            pod["metadata"]["name"]: pod["spec"]["nodeName"]
+            for pod in self.cluster.objects("v1/pods", self.namespace)
+            if (pod["metadata"].get("labels") or {}).get(naming.DEPLOYMENT) == self.name
+            and pod["spec"].get("nodeName")
+            and not pod["metadata"].get("deletionTimestamp")
+        }
+
+    async def complete(self, prompt: str = "the quick brown fox", max_tokens: int = 8) -> str:
+        """A greedy completion through a ready endpoint of the Service (its text)."""
+        request = {
+            "model": self.get()["spec"]["model"]["path"],
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(f"{self.openai_url()}/completions", json=request, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
     def openai_url(self) -> str:
         """The OpenAI base URL through a ready endpoint of the Service (what kube-proxy routes)."""
         endpoints = self.endpoints()
@@ -152,18 +190,30 @@ class Deployed:
         await self.cluster.kubectl("delete", "llmd", self.name, "--timeout=60s", timeout=90)
 
 
-@contextlib.asynccontextmanager
-async def deployed(
-    cluster: Cluster, kubelet: Kubelet, manifest: dict[str, Any], tmp_path: Path, **memo: Any
-) -> AsyncIterator[Deployed]:
-    """`kubectl apply` of `manifest` with the operator (polling pod IPs, as in a cluster), the
-    StatefulSet / Deployment controllers and the garbage collector running, the kubelet running
-    every pod. On the way out the operator stops first, then the controllers."""
+async def apply(cluster: Cluster, kubelet: Kubelet, manifest: dict[str, Any], tmp_path: Path) -> Deployed:
+    """`kubectl apply` of `manifest`."""
     path = tmp_path / f"{manifest['metadata']['name']}.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    async with ClusterSim(cluster, fake_kubelet=False).running(), running_operator(cluster, **memo):
-        await cluster.kubectl("apply", "--validate=false", "-f", str(path))
-        yield Deployed(cluster, kubelet, manifest["metadata"]["name"], cluster.namespace)
+    await cluster.kubectl("apply", "--validate=false", "-f", str(path))
+    return Deployed(cluster, kubelet, manifest["metadata"]["name"], cluster.namespace)
+
+
+@contextlib.asynccontextmanager
+async def deployed(
+    cluster: Cluster,
+    kubelet: Kubelet,
+    manifest: dict[str, Any],
+    tmp_path: Path,
+    scheduler: Scheduler | None = None,
+    **memo: Any,
+) -> AsyncIterator[Deployed]:
+    """`kubectl apply` of `manifest` with the operator (polling pod IPs, as in a cluster), the
+    StatefulSet / Deployment controllers and the garbage collector running (and `scheduler`
+    binding pods to its nodes), the kubelet running every pod. On the way out the operator stops
+    first, then the controllers."""
+    sim = ClusterSim(cluster, fake_kubelet=False, scheduler=scheduler)
+    async with sim.running(), running_operator(cluster, **memo):
+        yield await apply(cluster, kubelet, manifest, tmp_path)
 
 
 def rendered_commands(manifest: dict[str, Any], namespace: str = "default") -> dict[str, list[str]]:

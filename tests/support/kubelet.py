@@ -2,7 +2,10 @@
 
 For each pod it finds (created by the operator or by the simulated StatefulSet / Deployment
 controllers), it
-- binds the pod to its node (`spec.nodeName`: from then on a delete is graceful),
+- binds the pod to its node (`spec.nodeName`: from then on a delete is graceful); under a
+  scheduler (tests/support/scheduler.py) it runs only the pods the scheduler bound, as the
+  kubelets of all its nodes at once (every node is this machine), and plays a lost node: the
+  pods of a NotReady node are killed at once and their deletions never confirmed,
 - gives it a network namespace with a veth on the test bridge and a pod IP (pod_network.py),
 - writes its Secret / ConfigMap volumes as files (modes and fsGroup as the real kubelet sets
   them), resolves its env (values, Secret / ConfigMap keys, fields),
@@ -46,7 +49,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -69,6 +72,9 @@ from tests.support.pod_state import (
     release,
 )
 
+if TYPE_CHECKING:
+    from tests.support.scheduler import Scheduler
+
 SANDBOX = Path(__file__).with_name("pod_sandbox.py")
 # Machine-wide: every running kubelet holds MACHINE_LOCK shared; MOUNT_POINTS_MADE lists the
 # top-level directories kubelets created for mount points, removed by the last one to stop.
@@ -89,8 +95,19 @@ logger = logging.getLogger(__name__)
 class Kubelet:
     """Start with `async with Kubelet(...).running():`; everything it made is gone afterwards."""
 
-    def __init__(self, server: str, root: Path, image: Image, poll_interval: float = 0.1) -> None:
+    def __init__(
+        self,
+        server: str,
+        root: Path,
+        image: Image,
+        poll_interval: float = 0.1,
+        scheduler: Scheduler | None = None,
+    ) -> None:
         self.server = server
+        # tests/support/scheduler.py's Scheduler: pods wait for its binding, nodes may be lost.
+        # (Only its presence matters: nodes are read over HTTP like everything else.)
+        self.scheduler = scheduler
+        self.lost: set[str] = set()  # uids of the pods of lost nodes: never run or confirmed again
         self.root = root
         self.image = image
         self.poll_interval = poll_interval
@@ -223,15 +240,49 @@ class Kubelet:
 
     # --- one round -------------------------------------------------------------------------
 
+    async def _lost_nodes(self) -> set[str]:
+        """Nodes whose Ready condition is not True (none without a scheduler: its one node)."""
+        if self.scheduler is None:
+            return set()
+        nodes = (await self._api("GET", "/api/v1/nodes") or {}).get("items", [])
+        return {
+            node["metadata"]["name"]
+            for node in nodes
+            if not any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in (node.get("status") or {}).get("conditions") or []
+            )
+        }
+
+    def _lose(self, runtime: PodRuntime) -> None:
+        """The pod's node is gone: its processes die with it, nothing reports or confirms again
+        (the API keeps the pod as it last was; a deletion stays Terminating)."""
+        self.lost.add(runtime.uid)
+        runtime.lost = True
+        runtime.removed.set()
+        runtime.deletion.set()
+
     async def _sync(self) -> None:
         pods = (await self._api("GET", "/api/v1/pods") or {}).get("items", [])
         self._services = (await self._api("GET", "/api/v1/services") or {}).get("items", [])
+        lost_nodes = await self._lost_nodes()
         seen = set()
         for pod in pods:
             meta = pod["metadata"]
             uid = meta["uid"]
             seen.add(uid)
             runtime = self.pods.get(uid)
+            if uid in self.lost:
+                continue
+            if self.scheduler is not None:
+                node = pod["spec"].get("nodeName")
+                if not node:
+                    continue  # not bound yet: no node's kubelet knows it
+                if node in lost_nodes:
+                    if runtime is not None:
+                        self._lose(runtime)
+                    self.lost.add(uid)
+                    continue
             if runtime is None:
                 if meta.get("deletionTimestamp"):
                     # Deleted before it ever ran here: confirm at once.
@@ -323,8 +374,9 @@ class Kubelet:
             raise PodSetupError(
                 "Unsupported", f"the test kubelet cannot run {', '.join(unsupported)}", permanent=True
             )
-        # Bound to this node: from now on the API server deletes the pod gracefully.
-        await self._api("PATCH", self._pod_path(runtime), {"spec": {"nodeName": NODE_NAME}})
+        if self.scheduler is None:
+            # Bound to this node: from now on the API server deletes the pod gracefully.
+            await self._api("PATCH", self._pod_path(runtime), {"spec": {"nodeName": NODE_NAME}})
         runtime.root.mkdir(parents=True)
         assert self.network is not None
         runtime.interface = await asyncio.to_thread(self.network.add_pod)
@@ -600,7 +652,7 @@ class Kubelet:
             "metadata.name": runtime.name,
             "metadata.namespace": runtime.namespace,
             "metadata.uid": runtime.uid,
-            "spec.nodeName": NODE_NAME,
+            "spec.nodeName": runtime.node or NODE_NAME,
             "spec.serviceAccountName": runtime.spec.get("serviceAccountName", "default"),
             "status.podIP": runtime.ip or "",
             "status.hostIP": self.network.gateway if self.network else "",
@@ -880,6 +932,12 @@ class Kubelet:
             # is waited for (a graceful exit is what deleting a pod in a test shows).
             grace = 0
         running = [c for c in runtime.containers if c.process is not None and c.process.returncode is None]
+        if runtime.lost:
+            # The node went down (power, kernel, network): no process gets a word in.
+            for container in running:
+                kill_container(container)
+            await asyncio.gather(*(c.process.wait() for c in running))  # type: ignore[union-attr]
+            return
         for container in running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(container.process.pid, signal.SIGTERM)  # type: ignore[union-attr]

@@ -167,6 +167,7 @@ class PodRuntime:
     removed: asyncio.Event = field(default_factory=asyncio.Event)  # gone from the API already
     task: asyncio.Task[None] | None = None
     hosts_file: Path | None = None
+    lost: bool = False  # its node stopped answering: killed at once, its deletion never confirmed
 
     @property
     def labels(self) -> dict[str, str]:
@@ -179,6 +180,10 @@ class PodRuntime:
     @property
     def ip(self) -> str | None:
         return self.interface.ip if self.interface else None
+
+    @property
+    def node(self) -> str | None:
+        return self.spec.get("nodeName")
 
     @property
     def hostname(self) -> str:

@@ -17,6 +17,8 @@ pending pods it can, oldest first, the way kube-scheduler's filters decide:
 A pod that cannot be bound gets `PodScheduled=False`, reason `Unschedulable`, with the
 scheduler's message (`0/3 nodes are available: 3 Insufficient nvidia.com/gpu.`). Binding sets
 `spec.nodeName` (as the test kubelet does for pods it binds itself) and `PodScheduled=True`.
+Given this scheduler, either kubelet (ClusterSim's stand-in, tests/support/kubelet.py) runs only
+the pods it bound and plays its lost nodes.
 """
 
 from __future__ import annotations
