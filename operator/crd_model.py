@@ -50,14 +50,6 @@ MANAGED_FLAGS = (
 MANAGED_FLAG_PATTERN = r"^--(" + "|".join(MANAGED_FLAGS) + r")(=.*)?$"
 
 GPU_RESOURCE = "nvidia.com/gpu"
-# The KV transfer moves one rank's cache between engines; a tensor-parallel world's is split
-# over its ranks (the engine answers a disaggregated request to a tensor-parallel engine with an
-# error for the same reason).
-POOL_TP_MESSAGE = (
-    "must be 1: disaggregated worlds run one rank each for now (the engine's KV transfer moves "
-    "a single rank's cache; tensor-parallel pools are not supported yet)"
-)
-POOL_TP_RULE = {"rule": "self == 1", "message": f"tensorParallelSize {POOL_TP_MESSAGE}"}
 
 
 def camel_case(name: str) -> str:
@@ -608,8 +600,17 @@ class PoolSpec(_Model):
 
     replicas: int = Field(default=1, ge=1, le=500)
     """Worlds in the pool."""
-    tensor_parallel_size: int = Field(default=1, ge=1, le=1024, json_schema_extra=_rules(POOL_TP_RULE))
-    """Ranks in one world of the pool; 1 for now (the engine moves one rank's KV cache)."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=1024)
+    """Ranks in one world of the pool; the deployment's `gpusPerNode` applies. The pools may
+    differ: a generation world reshards the KV cache it pulls to its own ranks."""
+
+
+class RouterSpec(_Model):
+    """The router of a disaggregated deployment: stateless, so its pods are interchangeable."""
+
+    replicas: int = Field(default=1, ge=1, le=100)
+    """Router pods behind the Service. With one, a router restart fails the requests in flight
+    through it; two keep the endpoint up through a node's loss or a rolled router."""
 
 
 class DisaggregationSpec(_Model):
@@ -621,6 +622,8 @@ class DisaggregationSpec(_Model):
     """The worlds that run prompts: worlds 0 .. context.replicas - 1."""
     generation: PoolSpec = Field(default_factory=PoolSpec)
     """The worlds that generate from the context worlds' KV cache: the worlds after them."""
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    """The router's pods (`berth serve --route`)."""
 
     @property
     def worlds(self) -> int:
@@ -628,6 +631,10 @@ class DisaggregationSpec(_Model):
 
 
 _DISAGGREGATED = "!has(self.disaggregation) || "
+POOL_SIZE_MESSAGE = (
+    "tensorParallelSize: not with disaggregation (each pool has its own: "
+    "disaggregation.POOL.tensorParallelSize)"
+)
 DISAGGREGATION_RULES = (
     {
         "rule": _DISAGGREGATED + "self.replicas == 1 || self.replicas == "
@@ -640,9 +647,22 @@ DISAGGREGATION_RULES = (
     },
     {
         "rule": _DISAGGREGATED + "self.tensorParallelSize == 1",
-        "message": "tensorParallelSize: not with disaggregation (each pool has its own)",
+        "message": POOL_SIZE_MESSAGE,
         "fieldPath": ".tensorParallelSize",
         "reason": "FieldValueForbidden",
+    },
+    {
+        "rule": _DISAGGREGATED
+        + "self.gpusPerNode == 0 || ["
+        + ", ".join(
+            f"has(self.disaggregation.{pool}) ? self.disaggregation.{pool}.tensorParallelSize : 1"
+            for pool in ("context", "generation")
+        )
+        + "].all(size, size % self.gpusPerNode == 0)",
+        "message": "disaggregation.POOL.tensorParallelSize must be a multiple of gpusPerNode (a world is "
+        "tensorParallelSize / gpusPerNode worker pods with gpusPerNode GPUs each)",
+        "fieldPath": ".disaggregation",
+        "reason": "FieldValueInvalid",
     },
     {
         "rule": _DISAGGREGATED + "self.frontends == 0",
@@ -671,13 +691,7 @@ def disaggregation_problems(spec: LLMDeploymentSpec) -> list[str]:
             "unset and scale each pool through disaggregation.POOL.replicas"
         )
     if spec.tensor_parallel_size != 1:
-        problems.append(
-            "tensorParallelSize: not with disaggregation (each pool has its own, "
-            "disaggregation.POOL.tensorParallelSize)"
-        )
-    for name, pool in (("context", pools.context), ("generation", pools.generation)):
-        if pool.tensor_parallel_size != 1:
-            problems.append(f"disaggregation.{name}.tensorParallelSize {POOL_TP_MESSAGE}")
+        problems.append(POOL_SIZE_MESSAGE)
     if spec.frontends:
         problems.append(
             "frontends: not with disaggregation (the router is the endpoint; "
@@ -786,12 +800,24 @@ class LLMDeploymentSpec(_Model):
     disaggregation: DisaggregationSpec | None = None
     """Disaggregated prefill and decode: a pool of context worlds, a pool of generation worlds
     and a router in front of them. The worlds are the pools' (replicas is their sum: leave it
-    unset); not with frontends, autoscaling or a tensorParallelSize other than 1."""
+    unset), and each pool sizes its worlds (leave tensorParallelSize unset); not with frontends
+    or autoscaling."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> LLMDeploymentSpec:
-        if self.gpus_per_node and self.tensor_parallel_size % self.gpus_per_node:
+        if self.disaggregation is not None:
+            problems = disaggregation_problems(self)
+            if problems:
+                raise ValueError("; ".join(problems))
+            # The worlds are the pools' (context first): everything that counts worlds (the
+            # reconcile, health rounds, rollouts, scale-down) counts them through replicas, and
+            # sizes each one through ranks_of.
+            object.__setattr__(self, "replicas", self.disaggregation.worlds)
+        if self.gpus_per_node and any(
+            self.ranks_of(world) % self.gpus_per_node for world in range(self.replicas)
+        ):
             raise ValueError(
+                f"{'disaggregation.POOL.' if self.disaggregation else ''}"
                 "tensorParallelSize must be a multiple of gpusPerNode (a world is "
                 "tensorParallelSize / gpusPerNode worker pods with gpusPerNode GPUs each)"
             )
@@ -821,13 +847,6 @@ class LLMDeploymentSpec(_Model):
         names = [schedule.name for schedule in self.sleep_schedules]
         if len(names) != len(set(names)):
             raise ValueError("sleepSchedules names must be unique")
-        if self.disaggregation is not None:
-            problems = disaggregation_problems(self)
-            if problems:
-                raise ValueError("; ".join(problems))
-            # The worlds are the pools' (context first): everything that counts worlds (the
-            # reconcile, health rounds, rollouts, scale-down) counts them through replicas.
-            object.__setattr__(self, "replicas", self.disaggregation.worlds)
         return self
 
     def pool_of(self, world: int) -> str | None:
@@ -836,14 +855,21 @@ class LLMDeploymentSpec(_Model):
             return None
         return "context" if world < self.disaggregation.context.replicas else "generation"
 
-    @property
-    def nodes_per_world(self) -> int:
-        """Worker pods in one world: one per node, `gpusPerNode` ranks each (one rank per pod on CPU)."""
-        return (
-            self.tensor_parallel_size // self.gpus_per_node
-            if self.gpus_per_node
-            else self.tensor_parallel_size
+    def ranks_of(self, world: int) -> int:
+        """Ranks in a world: tensorParallelSize, or its pool's with spec.disaggregation."""
+        if self.disaggregation is None:
+            return self.tensor_parallel_size
+        pool = (
+            self.disaggregation.context
+            if self.pool_of(world) == "context"
+            else self.disaggregation.generation
         )
+        return pool.tensor_parallel_size
+
+    def nodes_of(self, world: int) -> int:
+        """Worker pods in a world: one per node, `gpusPerNode` ranks each (one rank per pod on CPU)."""
+        ranks = self.ranks_of(world)
+        return ranks // self.gpus_per_node if self.gpus_per_node else ranks
 
     @property
     def scales_to_zero(self) -> bool:

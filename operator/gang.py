@@ -33,9 +33,9 @@ POD_GROUP_API = {"coscheduling": "scheduling.x-k8s.io/v1alpha1", "volcano": "sch
 JITTER = 0.5
 
 
-def members(spec: LLMDeploymentSpec) -> int:
+def members(spec: LLMDeploymentSpec, world: int) -> int:
     """Pods of one world that must run together: the launcher and every worker pod."""
-    return spec.nodes_per_world + 1
+    return spec.nodes_of(world) + 1
 
 
 def pod_group(owner_meta: dict[str, Any], spec: LLMDeploymentSpec, world: int) -> dict[str, Any] | None:
@@ -44,7 +44,7 @@ def pod_group(owner_meta: dict[str, Any], spec: LLMDeploymentSpec, world: int) -
     gang = spec.scheduling.gang
     if gang not in POD_GROUP_API:
         return None
-    body: dict[str, Any] = {"minMember": members(spec)}
+    body: dict[str, Any] = {"minMember": members(spec, world)}
     if gang == "coscheduling":
         body["scheduleTimeoutSeconds"] = spec.scheduling.timeout_seconds
     elif spec.scheduling.queue_name:
@@ -52,7 +52,7 @@ def pod_group(owner_meta: dict[str, Any], spec: LLMDeploymentSpec, world: int) -
     return {"apiVersion": POD_GROUP_API[gang], "kind": "PodGroup", "metadata": owner_meta, "spec": body}
 
 
-def pod_metadata(spec: LLMDeploymentSpec, group: str) -> tuple[dict[str, str], dict[str, str]]:
+def pod_metadata(spec: LLMDeploymentSpec, world: int, group: str) -> tuple[dict[str, str], dict[str, str]]:
     """(labels, annotations) that make a pod a member of the world's group `group`."""
     gang = spec.scheduling.gang
     if gang == "coscheduling":
@@ -63,7 +63,7 @@ def pod_metadata(spec: LLMDeploymentSpec, group: str) -> tuple[dict[str, str], d
         labels = {KUEUE_GROUP_LABEL: group}
         if spec.scheduling.queue_name:
             labels[KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
-        return labels, {KUEUE_COUNT_ANNOTATION: str(members(spec))}
+        return labels, {KUEUE_COUNT_ANNOTATION: str(members(spec, world))}
     return {}, {}
 
 
@@ -147,7 +147,7 @@ def judge(
     timeout = spec.scheduling.timeout_seconds
     names = ", ".join(sorted(pod["metadata"]["name"] for pod in waiting))
     memory["message"] = (
-        f"{len(waiting)} of {members(spec)} pods of world {world} not scheduled ({names}): {said}"
+        f"{len(waiting)} of {members(spec, world)} pods of world {world} not scheduled ({names}): {said}"
     )
     status["message"] = memory["message"]
     if spec.scheduling.gang != "none" or (now - since).total_seconds() < timeout:
@@ -159,7 +159,9 @@ def judge(
     memory.update(
         attempts=attempt,
         retryAt=format_time(retry),
-        message=f"not all {members(spec)} pods of world {world} were scheduled within {timeout}s: {said}",
+        message=(
+            f"not all {members(spec, world)} pods of world {world} were scheduled within {timeout}s: {said}"
+        ),
     )
     status.update(
         scheduling=memory,
@@ -186,7 +188,7 @@ def released_worlds(worlds: Iterable[Mapping[str, Any]], now: dt.datetime) -> fr
     )
 
 
-def launcher_may_start(spec: LLMDeploymentSpec, workers: list[Mapping[str, Any]]) -> bool:
+def launcher_may_start(spec: LLMDeploymentSpec, world: int, workers: list[Mapping[str, Any]]) -> bool:
     """Without a gang scheduler the launcher is created once every worker pod is scheduled: its
     wait for the workers (and its startup probe) starts when they have nodes, so image pulls and
     node scale-ups do not eat the engine's load budget. A gang scheduler needs the launcher in
@@ -194,4 +196,4 @@ def launcher_may_start(spec: LLMDeploymentSpec, workers: list[Mapping[str, Any]]
     if spec.scheduling.gang != "none":
         return True
     live = [pod for pod in workers if not pod["metadata"].get("deletionTimestamp")]
-    return len(live) >= spec.nodes_per_world and all(is_scheduled(pod) for pod in live)
+    return len(live) >= spec.nodes_of(world) and all(is_scheduled(pod) for pod in live)

@@ -35,7 +35,7 @@ class ClaimRead:
 
 def mounting_pods(spec: LLMDeploymentSpec) -> int:
     """Pods that mount the model volume: the launcher and every worker pod of every world."""
-    return spec.replicas * (1 + spec.nodes_per_world)
+    return sum(1 + spec.nodes_of(world) for world in range(spec.replicas))
 
 
 def access_modes(claim: dict[str, Any]) -> list[str]:
@@ -77,7 +77,7 @@ def condition(spec: LLMDeploymentSpec, read: ClaimRead | None) -> dict[str, Any]
         "True",
         "ReadWriteOncePod" if "ReadWriteOncePod" in modes else "ReadWriteOnce",
         f"PersistentVolumeClaim {name} of the model volume is {', '.join(modes)}: only {only} can mount it, "
-        f"but {pods} pods do (the launcher and {spec.nodes_per_world} worker pod(s) of each of "
+        f"but {pods} pods do (the launcher and the worker pods of each of "
         f"{spec.replicas} world(s), on different nodes as a rule); the others stay ContainerCreating "
         "(Multi-Attach error). Use a ReadOnlyMany or ReadWriteMany claim, or an nfs model volume",
     )

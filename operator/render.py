@@ -321,7 +321,7 @@ def hostfile(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any
     slots = spec.gpus_per_node or 1
     lines = [
         f"{naming.worker_host(owner.name, owner.namespace, world, ordinal)}:{slots}"
-        for ordinal in range(spec.nodes_per_world)
+        for ordinal in range(spec.nodes_of(world))
     ]
     return {
         "apiVersion": "v1",
@@ -393,7 +393,7 @@ def worker_affinity(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
     talk over NVLink), must share one `topologyKey` domain when one is set, and prefer domains
     where no other world of the deployment runs."""
     key = spec.workers.topology_key
-    if spec.nodes_per_world == 1 and not key:
+    if spec.nodes_of(world) == 1 and not key:
         return {}  # one pod: nothing to pack
     own = {"labelSelector": {"matchLabels": naming.role_labels(owner.name, world, "worker")}}
     affinity: dict[str, Any] = {
@@ -421,7 +421,7 @@ def worker_affinity(owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[s
 
 def _gang_metadata(meta: dict[str, Any], owner: Owner, spec: LLMDeploymentSpec, world: int) -> dict[str, Any]:
     """Pod metadata with the world's gang membership (berth's: after the template's)."""
-    labels, annotations = gang.pod_metadata(spec, naming.world_name(owner.name, world))
+    labels, annotations = gang.pod_metadata(spec, world, naming.world_name(owner.name, world))
     if labels:
         meta["labels"] = {**meta.get("labels", {}), **labels}
     if annotations:
@@ -447,7 +447,7 @@ def worker_statefulset(
         "metadata": _metadata(owner, naming.world_name(owner.name, world), labels),
         "spec": {
             "serviceName": naming.world_name(owner.name, world),
-            "replicas": 0 if released else spec.nodes_per_world,
+            "replicas": 0 if released else spec.nodes_of(world),
             # All ranks start together; ordered start-up would only delay the world.
             "podManagementPolicy": "Parallel",
             # OnDelete: a template change must not roll ranks one by one under a running MPI
@@ -478,7 +478,7 @@ def launcher_command(owner: Owner, spec: LLMDeploymentSpec, world: int = 0) -> l
         "--hostfile",
         naming.HOSTFILE_PATH,
         "--tensor-parallel-size",
-        str(spec.tensor_parallel_size),
+        str(spec.ranks_of(world)),
         "--gpus-per-node",
         str(spec.gpus_per_node),
         "--host",
@@ -807,7 +807,10 @@ def router_deployment(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:
     }
     template = _frontend_placement(spec)
     pod = _non_root_pod_spec(spec, "router", container, template, termination_grace_seconds(spec))
-    return _non_root_deployment(owner, naming.router_name(owner.name), labels, selector, 1, pod, template)
+    replicas = spec.disaggregation.router.replicas
+    return _non_root_deployment(
+        owner, naming.router_name(owner.name), labels, selector, replicas, pod, template
+    )
 
 
 def endpoint_service(owner: Owner, spec: LLMDeploymentSpec) -> dict[str, Any]:

@@ -208,7 +208,7 @@ class Supervisor:
                 reconciled
                 and step.status.get("phase") not in ("Unschedulable", "Evicting")
                 and naming.launcher_pod_name(name, index) not in by_name
-                and gang.launcher_may_start(spec, self._world_pods(index, pods, "worker"))
+                and gang.launcher_may_start(spec, index, self._world_pods(index, pods, "worker"))
                 and self._may_create_launcher(owner, index, now)
             ):
                 # Launchers are bare pods: this loop is their controller.
@@ -940,7 +940,7 @@ class Supervisor:
             )
             return worlds.WorldStep(status=status), None, None
         view = worlds.view_pods(
-            owner.name, index, launcher, workers, spec.nodes_per_world, previous.get("members") or {}
+            owner.name, index, launcher, workers, spec.nodes_of(index), previous.get("members") or {}
         )
         result: Probe | None = None
         self._addresses.pop(index, None)

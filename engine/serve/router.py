@@ -28,8 +28,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from berth.engine.serve.arguments import fail
+from berth.engine.serve.router_metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
     turns = {role: itertools.cycle(urls) for role, urls in routes.items()}
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10))
     app.state.in_flight = 0
+    metrics = app.state.metrics = RouterMetrics(routes, lambda: app.state.in_flight)
 
     def error(status: int, message: str, code: str) -> JSONResponse:
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
@@ -82,16 +85,23 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
             try:
                 reply = await send(url)
             except httpx.ConnectError:
+                metrics.upstream(role, url, "unreachable")
                 if last:
                     raise
                 continue
+            metrics.upstream(role, url, "not_ready" if reply.status_code == 503 else "taken")
             if reply.status_code != 503 or last:
                 return url, reply
             await reply.aclose()
             logger.info("%s answered 503: the request goes to another %s server", url, role)
         raise AssertionError("unreachable: a route has at least one server of each role")
 
-    async def route(request: Request, path: str):
+    async def route(request: Request, path: str) -> Response:
+        answer = await answer_of(request, path)
+        metrics.answered(answer.status_code)
+        return answer
+
+    async def answer_of(request: Request, path: str) -> Response:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
             return error(401, "a valid API key is required (Authorization: Bearer ...)", "invalid_api_key")
         try:
@@ -145,13 +155,16 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
         """The context server's JSON answer (its `kv_handle` None when the first token ended it)."""
         first_half = {**body, "stream": False, "disaggregated": {"context_only": True}}
         first_half.pop("stream_options", None)
-        context_url, reply = await to_one_of(
-            "context", lambda url: client.post(url + path, json=first_half, headers=headers)
-        )
+        with metrics.context_seconds.time():
+            context_url, reply = await to_one_of(
+                "context", lambda url: client.post(url + path, json=first_half, headers=headers)
+            )
         if reply.status_code != 200:
             return Response(reply.content, reply.status_code, media_type="application/json")
         answered = reply.json()
         answered.setdefault("kv_handle", None)
+        if answered["kv_handle"] is not None:
+            metrics.handovers.inc()
         logger.info(
             "%s: context part on %s done (handle: %s)",
             request_id,
@@ -252,6 +265,10 @@ def build_router_app(routes: dict[str, list[str]], api_key: str | None, timeout:
         except httpx.HTTPError as failure:
             return error(502, f"no generation server answered: {failure!r}", "upstream_unavailable")
         return Response(reply.content, reply.status_code, media_type="application/json")
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/live")
     async def live():

@@ -56,6 +56,7 @@ RESOURCES = {
     "Secret": "v1/secrets",
     "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
     "PodGroup": "scheduling.x-k8s.io/v1alpha1/podgroups",
+    "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
 }
 OPERATOR_AGENTS = ("kopf/", "berth-operator")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -182,7 +183,7 @@ async def bench(count: int, mode: str, steady: float, listed: bool, timeout: flo
     example = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     names = [f"bench-{index:03d}" for index in range(count)]
     wanted = expected_children(names, example["spec"])
-    nodes_per_world = parse_spec(example["spec"]).nodes_per_world
+    nodes_per_world = parse_spec(example["spec"]).nodes_of(0)
     unknown = {kind for kind, _ in wanted} - RESOURCES.keys()
     if unknown:  # a child this bench would wait for and never see
         raise SystemExit(f"bench_operator_scale: add {sorted(unknown)} to RESOURCES")

@@ -1,15 +1,16 @@
 """Disaggregated prefill and decode on real pods (tests/support/e2e.py): `kubectl apply` of the
-CPU example with `spec.disaggregation` (one context world, one generation world, one rank each),
-the real operator, the cluster's controllers and the test kubelet running every rendered command,
-behind the rendered NetworkPolicies (tests/support/network_policy.py).
+CPU example with `spec.disaggregation` (one context world of two ranks in two worker pods, one
+generation world of one rank: the pools' layouts differ, so the generation rank reshards the KV
+cache it pulls), the real operator, the cluster's controllers and the test kubelet running every
+rendered command, behind the rendered NetworkPolicies (tests/support/network_policy.py).
 
-Asserted: each world's launcher runs `berth launch` with its pool's `--role` (the context world's
-rank, in its worker pod, serves its KV cache on :8003), the router pod runs `berth serve --route`
-over both launchers' stable names and is the Service's only endpoint; a completion sent there,
-plain and streamed, is answered by the generation world from the KV cache the context world's
-rank handed over (the router says so in its log; a failed pull would fail the request), and
-equals transformers' greedy tokens. The KV handle names the context rank's worker pod by its
-stable name, which the generation rank in another pod resolves.
+Asserted: each world's launcher runs `berth launch` with its pool's `--role` and size (the
+context world's rank 0, in its first worker pod, serves the world's KV cache on :8003), the
+router pod runs `berth serve --route` over both launchers' stable names and is the Service's only
+endpoint; a completion sent there, plain and streamed, is answered by the generation world from
+the KV cache the context world handed over (the router says so in its log; a failed pull would
+fail the request), and equals transformers' greedy tokens. The KV handle names the context rank
+0's worker pod by its stable name, which the generation rank in another pod resolves.
 
 Then the rules of worlds, per world of each pool: `spec.sleep` parks both worlds (the router,
 with no ready server of a role, leaves the Service by its readiness probe) and wakes them; kill
@@ -41,7 +42,7 @@ from tests.support.network_policy import Enforcer
 
 START_TIMEOUT = 120.0
 PROMPT, MAX_TOKENS = "the quick brown fox", 12
-POOLS = {"context": {"replicas": 1}, "generation": {"replicas": 1}}
+POOLS = {"context": {"replicas": 1, "tensorParallelSize": 2}, "generation": {"replicas": 1}}
 
 
 def rendered_pods(manifest: dict[str, Any], namespace: str) -> dict[str, list[str]]:
@@ -172,7 +173,10 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
         replaced = {
             name: now.get(name) not in (None, uids[name]) for name in ("tiny-w1-launcher", "tiny-w1-0")
         }
-        kept = {name: now.get(name) == uids[name] for name in ("tiny-w0-launcher", "tiny-w0-0", router_pod)}
+        kept = {
+            name: now.get(name) == uids[name]
+            for name in ("tiny-w0-launcher", "tiny-w0-0", "tiny-w0-1", router_pod)
+        }
         world_0_restarts = llmd.world(0).get("restarts", 0)
 
         # A rolling change replaces the worlds of both pools one at a time (drained, then new pods).
@@ -203,6 +207,13 @@ async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engi
         assert any(run.ready for run in matching), (prefix, command, [(r.pod, r.argv) for r in runs])
     assert rendered["tiny-w0-launcher"][rendered["tiny-w0-launcher"].index("--role") + 1] == "context"
     assert rendered["tiny-w1-launcher"][rendered["tiny-w1-launcher"].index("--role") + 1] == "generation"
+    # Each pool's worlds have the pool's size: two ranks in two worker pods, then one.
+    sizes = [
+        command[command.index("--tensor-parallel-size") + 1]
+        for command in rendered.values()
+        if "launch" in command
+    ]
+    assert sizes == ["2", "1"] and {"tiny-w0-0", "tiny-w0-1", "tiny-w1-0"} <= set(pods)
     # The generation world continued from the context world's KV cache, twice (plain, streamed).
     assert handovers == 2, router_run.log_tail()
     worker = naming.worker_host("tiny", cluster.namespace, 0, 0)

@@ -105,9 +105,10 @@ def test_the_component_builds_beside_the_install(tmp_path: Path) -> None:
     objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(built.stdout)}
     assert ("Deployment", "berth-operator") in objects  # the install is there too
     monitors = {name: o for (kind, name), o in objects.items() if kind == "PodMonitor"}
-    assert sorted(monitors) == ["berth-frontends", "berth-launchers", "berth-operator"]
+    assert sorted(monitors) == ["berth-frontends", "berth-launchers", "berth-operator", "berth-routers"]
     assert monitors["berth-launchers"]["spec"]["selector"]["matchLabels"]["berth.dev/role"] == "launcher"
     assert monitors["berth-frontends"]["spec"]["selector"]["matchLabels"]["berth.dev/role"] == "frontend"
+    assert monitors["berth-routers"]["spec"]["selector"]["matchLabels"]["berth.dev/role"] == "router"
     assert monitors["berth-operator"]["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
     operator_pod = objects[("Deployment", "berth-operator")]["spec"]["template"]
     assert (
@@ -132,7 +133,7 @@ def test_the_pod_monitors_relabel_as_the_scrape_config_does() -> None:
         for r in engines["relabel_configs"]
         if "target_label" in r
     }
-    for monitor in monitors[:2]:
+    for monitor in monitors[:3]:  # launchers, frontends, routers
         endpoint = monitor["spec"]["podMetricsEndpoints"][0]
         assert endpoint["port"] == "http"
         relabels = {(tuple(r["sourceLabels"]), r["targetLabel"]) for r in endpoint["relabelings"]}

@@ -237,14 +237,15 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "replicas conflicts with disaggregation: the worlds are the pools'",
     ),
     (
-        "disaggregation with a tensor-parallel pool",
-        with_spec(disaggregation={"generation": {"tensorParallelSize": 2}}),
-        "tensorParallelSize must be 1: disaggregated worlds run one rank each for now",
+        "disaggregation with a pool that does not fill whole nodes",
+        with_spec(gpusPerNode=2, disaggregation={"generation": {"tensorParallelSize": 3}}),
+        "disaggregation.POOL.tensorParallelSize must be a multiple of gpusPerNode",
     ),
     (
         "disaggregation with a deployment-wide tensorParallelSize",
         with_spec(tensorParallelSize=2, gpusPerNode=1, disaggregation={}),
-        "tensorParallelSize: not with disaggregation (each pool has its own)",
+        "tensorParallelSize: not with disaggregation (each pool has its own: "
+        "disaggregation.POOL.tensorParallelSize)",
     ),
     (
         "disaggregation with frontends",
@@ -357,7 +358,7 @@ def test_bad_documents_are_rejected_with_the_expected_message(
 
 def test_every_cel_rule_compiles_and_has_a_message() -> None:
     rules = list(rule_sites(SCHEMA))
-    assert len(rules) == 25  # the container-template rule once per role, the pools' rule once per pool
+    assert len(rules) == 24  # the container-template rule once per role
     for _, rule in rules:
         cel_rules.program(rule["rule"])  # raises RuleError when cel-python cannot compile it
         assert rule.get("message"), f"rule without a message: {rule['rule']}"

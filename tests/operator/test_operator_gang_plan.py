@@ -141,11 +141,11 @@ def test_only_berth_releases_and_only_without_a_gang_scheduler() -> None:
 
 
 def test_the_launcher_starts_once_its_workers_have_nodes() -> None:
-    assert not gang.launcher_may_start(spec(), [BOUND])  # one of two worker pods exists
-    assert not gang.launcher_may_start(spec(), [BOUND, pending("llama-w0-1", NO_ROOM)])
-    assert gang.launcher_may_start(spec(), [BOUND, {**BOUND, "metadata": {"name": "llama-w0-1"}}])
+    assert not gang.launcher_may_start(spec(), 0, [BOUND])  # one of two worker pods exists
+    assert not gang.launcher_may_start(spec(), 0, [BOUND, pending("llama-w0-1", NO_ROOM)])
+    assert gang.launcher_may_start(spec(), 0, [BOUND, {**BOUND, "metadata": {"name": "llama-w0-1"}}])
     # A gang scheduler needs the launcher in its group at once.
-    assert gang.launcher_may_start(spec(scheduling={"gang": "coscheduling"}), [])
+    assert gang.launcher_may_start(spec(scheduling={"gang": "coscheduling"}), 0, [])
 
 
 GPU_NODES = {

@@ -66,6 +66,33 @@ def test_each_launcher_runs_its_pools_role_and_context_worlds_serve_their_kv() -
         assert key == {"name": naming.engine_key_secret("split"), "key": "key"}
 
 
+def test_each_pool_sizes_its_own_worlds() -> None:
+    """A context pool of TP-4 worlds on 2-GPU nodes beside TP-2 generation worlds: each world's
+    launcher, hostfile, worker StatefulSet and gang group has its pool's size."""
+    split = spec(
+        gpusPerNode=2,
+        scheduling={"gang": "volcano"},
+        disaggregation={
+            "context": {"tensorParallelSize": 4},
+            "generation": {"replicas": 2, "tensorParallelSize": 2},
+        },
+    )
+    assert [split.ranks_of(world) for world in range(3)] == [4, 2, 2]
+    children = by_ref(render.children(OWNER, split))
+    for world, ranks in ((0, 4), (1, 2), (2, 2)):
+        command = command_of(children[f"Pod/split-w{world}-launcher"]["spec"])
+        assert flag(command, "--tensor-parallel-size") == [str(ranks)] and flag(
+            command, "--gpus-per-node"
+        ) == ["2"]
+        workers = children[f"StatefulSet/split-w{world}"]["spec"]
+        assert workers["replicas"] == ranks // 2
+        worker = workers["template"]["spec"]["containers"][0]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        hosts = children[f"ConfigMap/split-w{world}-hostfile"]["data"]
+        assert [line.split(":")[1] for line in "".join(hosts.values()).split()] == ["2"] * (ranks // 2)
+        assert children[f"PodGroup/split-w{world}"]["spec"]["minMember"] == ranks // 2 + 1
+
+
 def test_the_router_routes_over_every_world_of_each_pool() -> None:
     children = by_ref(render.children(OWNER, spec(context=2, generation=2)))
     router = children["Deployment/split-router"]
@@ -83,6 +110,11 @@ def test_the_router_routes_over_every_world_of_each_pool() -> None:
     assert not any("valueFrom" in var for var in container["env"])
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert router["metadata"]["ownerReferences"][0]["uid"] == "5678-uid"
+    # One router pod unless asked; more are interchangeable (the router keeps no state).
+    assert router["spec"]["replicas"] == 1
+    pools = {"context": {"replicas": 1}, "generation": {"replicas": 1}, "router": {"replicas": 2}}
+    routers = by_ref(render.children(OWNER, spec(disaggregation=pools)))["Deployment/split-router"]
+    assert routers["spec"]["replicas"] == 2
 
 
 def test_the_endpoint_service_selects_the_router_and_no_launcher() -> None:
@@ -130,9 +162,8 @@ def test_a_pool_change_is_a_new_rollout_target() -> None:
         ({"autoscaling": {"maxReplicas": 3, "target": 4}}, r"autoscaling: not with disaggregation yet"),
         ({"tensorParallelSize": 2}, r"tensorParallelSize: not with disaggregation \(each pool has its own"),
         (
-            {"disaggregation": {"context": {"tensorParallelSize": 2}}},
-            r"disaggregation\.context\.tensorParallelSize must be 1: disaggregated worlds run one rank each "
-            r"for now \(the engine's KV transfer moves a single rank's cache",
+            {"gpusPerNode": 2, "disaggregation": {"generation": {"tensorParallelSize": 3}}},
+            r"disaggregation\.POOL\.tensorParallelSize must be a multiple of gpusPerNode",
         ),
         ({"engineArgs": ["--role=both"]}, r"engineArgs must not set --role"),
         ({"engineArgs": ["--kv-transfer-endpoint=tcp://x:1"]}, r"must not set --kv-transfer-endpoint"),

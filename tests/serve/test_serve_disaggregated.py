@@ -12,11 +12,13 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess
 from tests.support.engine_processes import pid_alive, wait_until
@@ -229,9 +231,51 @@ def test_the_router_passes_over_servers_that_are_not_ready(split):
         assert httpx.get(f"{router.url}/ready", timeout=30).status_code == 200
         for _ in range(3):
             assert httpx.get(f"{router.url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL_NAME
+        samples = router_samples(router.url)
     finally:
         router.stop()
         unready.stop()
+    # Its /metrics say which servers took each half and which were passed over. Each request's
+    # turn starts where the last one ended (at the ready server's next), so it meets all three:
+    # 6 requests, and 3 model lists on the generation role.
+    upstream = "berth_router_upstream_requests_total"
+    for role, ready, halves in (("context", context, 6), ("generation", generation, 9)):
+        for url, outcome in ((unready.url, "not_ready"), (ready.url, "taken")):
+            assert samples[upstream, (("outcome", outcome), ("role", role), ("server", url))] == halves
+        unreachable = [
+            value
+            for (name, labels), value in samples.items()
+            if name == upstream and dict(labels)["role"] == role and dict(labels)["outcome"] == "unreachable"
+        ]
+        assert sorted(unreachable) == [0, 0, halves]  # the closed port of each role, never the others
+    assert samples["berth_router_requests_total", (("code", "200"),)] == 6
+    assert samples["berth_router_kv_handovers_total", ()] == 6
+    assert samples["berth_router_context_duration_seconds_count", ()] == 6
+    assert samples["berth_router_requests_in_flight", ()] == 0
+
+
+def router_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """(series name, sorted labels) -> value, from a router's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_the_routers_metrics_pass_promtool(split):
+    router = split[2]
+    assert complete(router.url, {"prompt": [5, 6, 7], "max_tokens": 3}).status_code == 200
+    assert complete(router.url, {"prompt": [5, 6, 7], "n": 0}).status_code == 400
+    text = httpx.get(f"{router.url}/metrics", timeout=30).text
+    checked = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    samples = router_samples(router.url)
+    assert samples["berth_router_requests_total", (("code", "400"),)] >= 1
+    assert samples["berth_router_kv_handovers_total", ()] >= 1
 
 
 def test_a_client_that_leaves_mid_stream_aborts_on_both_servers(split):

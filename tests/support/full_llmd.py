@@ -261,8 +261,9 @@ def full_objects() -> list[dict[str, Any]]:
     for excluded in ("frontends", "autoscaling", "tensorParallelSize"):
         del split["spec"][excluded]
     split["spec"]["disaggregation"] = {
-        "context": {"replicas": 1, "tensorParallelSize": 1},
+        "context": {"replicas": 1, "tensorParallelSize": 2},
         "generation": {"replicas": 1, "tensorParallelSize": 1},
+        "router": {"replicas": 2},
     }
     variants.append(split)
     return variants
