@@ -3,8 +3,10 @@ deadline, and always gone (SIGTERM, then SIGKILL) when the test is done with it.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,3 +201,11 @@ def keyed_server(model: Path, *args: str) -> ServerProcess:
         api_key=API_KEY,
         admin_token=ADMIN_TOKEN,
     )
+
+
+def long_context_copy(model: Path, folder: Path, positions: int) -> Path:
+    """The same weights with room for a stream no drain outlasts (RoPE has no learned positions)."""
+    copy = shutil.copytree(model, folder / "long-context")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    return copy

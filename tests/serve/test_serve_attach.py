@@ -30,7 +30,14 @@ from berth.engine.executor.attach import AttachEndpoint
 from berth.engine.executor.messages import ATTACH_PROTOCOL, AttachHello
 from berth.engine.models.tiny_model import make_tiny_model
 from berth.operator import render
-from tests.serve.server_process import ADMIN_TOKEN, ENGINE_ARGS, ENGINE_OPTIONS, MODEL_NAME, ServerProcess
+from tests.serve.server_process import (
+    ADMIN_TOKEN,
+    ENGINE_ARGS,
+    ENGINE_OPTIONS,
+    MODEL_NAME,
+    ServerProcess,
+    long_context_copy,
+)
 from tests.support.engine_processes import call_with_timeout, wait_until
 from tests.support.forgery import LeavesATrace
 
@@ -344,14 +351,6 @@ def unavailable(server: ServerProcess) -> bool:
 def serving(server: ServerProcess) -> bool:
     response = server.post("/v1/completions", completion(prompt="anyone?", max_tokens=2))
     return response.status_code == 200 and server.get("/ready").status_code == 200
-
-
-def long_context_copy(model: Path, folder: Path, positions: int) -> Path:
-    """The same weights with room for a stream no drain outlasts (RoPE has no learned positions)."""
-    copy = shutil.copytree(model, folder / "long-context")
-    config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
-    return copy
 
 
 def test_frontends_outlive_their_world_and_attach_to_the_next(tiny_model, tmp_path):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.server_process import ENGINE_ARGS, ServerProcess
+from tests.serve.server_process import ENGINE_ARGS, ServerProcess, long_context_copy
 from tests.support.engine_processes import pid_alive, wait_until
 
 
@@ -59,13 +59,16 @@ class Stream:
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
-def test_a_stop_signal_drains_the_request_in_flight_then_exits_0(tiny_model, stop):
+def test_a_stop_signal_drains_the_request_in_flight_then_exits_0(tiny_model, tmp_path, stop):
     """Ctrl-C reaches the engine worker too: it must leave the drain to the server."""
     # A grace period far longer than the request needs, even on a loaded machine: this test
     # is about draining, the next one about what a short grace period cuts off.
-    server = ServerProcess(tiny_model, *ENGINE_ARGS, "--shutdown-timeout", "200")
+    model = long_context_copy(tiny_model, tmp_path, 8192)
+    server = ServerProcess(model, *ENGINE_ARGS, "--kv-blocks", "1024", "--shutdown-timeout", "200")
     try:
-        n, max_tokens = 8, 1000  # seconds of work on this model: in flight while the probes run
+        # 6,000 steps, seconds of work: in flight while the probes run. CI once saw 1,000 steps
+        # end between the first token and the probes, on a loaded machine.
+        n, max_tokens = 2, 6000
         body = {"prompt": [5] * 8, "n": n, "max_tokens": max_tokens, "ignore_eos": True}
         stream = Stream(server, {**body, "stream_options": {"include_usage": True}})
         assert stream.started.wait(30) and stream.status == 200
