@@ -199,6 +199,8 @@ class RunningWorld:
         """A rank on this machine whose process is gone, in words (the polling backstop of a
         death the process's exit has not shown yet); None while every one lives."""
         for rank, pid in self.local_ranks():
+            if pid == self.process.pid:
+                continue  # the world's own process: its watcher (`wait`) says how it ended, signal and all
             if not pid_alive(pid):
                 if self.world.size > 1:
                     return f"rank {rank}'s process {pid} of {self.world.describe(self.process.pid)} is gone"
