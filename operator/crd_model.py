@@ -859,12 +859,7 @@ class LLMDeploymentSpec(_Model):
         """Ranks in a world: tensorParallelSize, or its pool's with spec.disaggregation."""
         if self.disaggregation is None:
             return self.tensor_parallel_size
-        pool = (
-            self.disaggregation.context
-            if self.pool_of(world) == "context"
-            else self.disaggregation.generation
-        )
-        return pool.tensor_parallel_size
+        return getattr(self.disaggregation, self.pool_of(world)).tensor_parallel_size
 
     def nodes_of(self, world: int) -> int:
         """Worker pods in a world: one per node, `gpusPerNode` ranks each (one rank per pod on CPU)."""

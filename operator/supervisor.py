@@ -195,8 +195,8 @@ class Supervisor:
         statuses = []
         orders: dict[int, tuple[str, list[str]]] = {}  # world -> (replace | create, pods to delete)
         for index, (step, _, _) in zip(world_list, steps):
-            if spec.pool_of(index) is not None:
-                step.status["pool"] = spec.pool_of(index)
+            if (pool := spec.pool_of(index)) is not None:
+                step.status["pool"] = pool
             scheduling = self._scheduling_orders.pop(index, None)
             if step.restart is not None:
                 self._order_replacement(index, step, pods, orders)
