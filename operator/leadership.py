@@ -167,25 +167,31 @@ class LeaseElector:
 
     async def hold(self) -> None:
         """Renews the Lease every renew_seconds; returns once leadership is lost: another holder
-        took it, or no renewal succeeded for deadline_seconds."""
+        took it, or no renewal succeeded for deadline_seconds (noticed at the deadline itself,
+        not at the next attempt after it)."""
         while True:
-            await asyncio.sleep(self.renew_seconds)
-            left = self.deadline_seconds - (time.monotonic() - self.last_renewed)
+            await asyncio.sleep(min(self.renew_seconds, max(self._left(), 0.0)))
+            left = self._left()
+            if left <= 0:
+                logger.error(
+                    "lost the lease %s/%s: no renewal for %.0f s",
+                    self.namespace,
+                    self.name,
+                    self.deadline_seconds,
+                )
+                return
             try:
-                if not await asyncio.wait_for(self.try_acquire_or_renew(), max(left, 0.01)):
+                if not await asyncio.wait_for(self.try_acquire_or_renew(), left):
                     logger.error("lost the lease %s/%s: another replica holds it", self.namespace, self.name)
                     return
             except (KubeError, TimeoutError) as error:
-                if time.monotonic() - self.last_renewed >= self.deadline_seconds:
-                    logger.error(
-                        "lost the lease %s/%s: no renewal for %.0f s (%s)",
-                        self.namespace,
-                        self.name,
-                        self.deadline_seconds,
-                        error,
-                    )
-                    return
-                logger.warning("cannot renew the lease (will retry): %s", error)
+                logger.warning(
+                    "cannot renew the lease (will retry until the deadline): %s", error or "timed out"
+                )
+
+    def _left(self) -> float:
+        """Seconds until the renew deadline."""
+        return self.deadline_seconds - (time.monotonic() - self.last_renewed)
 
     async def release(self) -> None:
         """Gives the Lease up (a clean stop): the next candidate takes it at its next attempt."""

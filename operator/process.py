@@ -6,6 +6,10 @@ the handlers, for as long as it holds it.
   kopf, and a kopf that has not stopped within `STOP_GRACE` is cut short by exiting the process:
   either way nothing acts after the deadline, before any other replica may lead. The process
   then exits 1 and its pod's restart brings it back as a standby.
+- The election runs in a thread of its own (`LeaseThread`: its own event loop and connection),
+  not on kopf's loop: a leader busy with a thousand deployments, or blocked for a while, still
+  renews on time instead of stepping down under load, and a leader that lost the Lease is
+  exited from that thread when its own loop is too busy to stop kopf.
 - SIGTERM: kopf stops, the Lease is given up (the standby leads at once), exit 0.
 """
 
@@ -20,7 +24,8 @@ import secrets
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -82,15 +87,40 @@ async def run(args: argparse.Namespace, memo: dict[str, Any] | None = None) -> i
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    kube = await Kube.connect(args.kubeconfig)
-    try:
-        elector = LeaseElector(kube, lease_namespace(args), identity(), **given)
-        async with standby_liveness(args.liveness):
-            if not await _first(elector.acquire(), stop.wait()):
-                return 0  # stopped while standing by
-        return await _lead(args, elector, stop, memo or {})
-    finally:
-        await kube.close()
+    async with LeaseThread() as lease:
+        kube = await lease.run(Kube.connect(args.kubeconfig))
+        try:
+            elector = LeaseElector(kube, lease_namespace(args), identity(), **given)
+            async with standby_liveness(args.liveness):
+                if not await _first(lease.run(elector.acquire()), stop.wait()):
+                    return 0  # stopped while standing by
+            return await _lead(args, elector, lease, stop, memo or {})
+        finally:
+            await lease.run(kube.close())
+
+
+class LeaseThread:
+    """An event loop in a thread of its own, for the election's requests and timers. The GIL
+    hands it the interpreter every few milliseconds however busy kopf's loop is, so a renewal is
+    late by that at most, not by the length of kopf's queue."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="lease", daemon=True)
+
+    async def __aenter__(self) -> LeaseThread:
+        self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        await asyncio.to_thread(self._thread.join, 5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    async def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """`coroutine`'s result, run on this thread's loop (cancelling the caller cancels it)."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
 
 
 async def _first(wanted, other) -> bool:
@@ -106,7 +136,9 @@ async def _first(wanted, other) -> bool:
     return tasks[0] in done
 
 
-async def _lead(args: argparse.Namespace, elector: LeaseElector, stop: asyncio.Event, memo: dict) -> int:
+async def _lead(
+    args: argparse.Namespace, elector: LeaseElector, lease: LeaseThread, stop: asyncio.Event, memo: dict
+) -> int:
     operator = asyncio.ensure_future(
         kopf.operator(
             standalone=True,  # one actor: the Lease decides who, not kopf's peering
@@ -117,20 +149,36 @@ async def _lead(args: argparse.Namespace, elector: LeaseElector, stop: asyncio.E
             memo=kopf.Memo(kubeconfig=args.kubeconfig, **memo),
         )
     )
-    holding = asyncio.ensure_future(elector.hold())
+    stopped = threading.Event()  # kopf has stopped after the Lease was lost
+    holding = asyncio.ensure_future(lease.run(_hold(elector, stopped)))
     await asyncio.wait({operator, holding}, return_when=asyncio.FIRST_COMPLETED)
     if holding.done():
         stop.set()
         try:
-            await asyncio.wait_for(asyncio.shield(operator), STOP_GRACE)
-        except (TimeoutError, asyncio.CancelledError):
-            logger.error("the operator did not stop within %.0f s of losing the lease: exiting", STOP_GRACE)
-            logging.shutdown()
-            os._exit(1)  # nothing may act past the deadline; the pod restarts as a standby
+            await operator
+        except asyncio.CancelledError:
+            pass
+        finally:
+            stopped.set()
         return 1
     holding.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await holding
-    await elector.release()
+    await lease.run(elector.release())
     operator.result()
     return 0
+
+
+async def _hold(elector: LeaseElector, stopped: threading.Event) -> None:
+    """Holds the Lease until it is lost; then, on the election's loop (which kopf's load cannot
+    delay), gives kopf STOP_GRACE to stop before the process is ended."""
+    await elector.hold()
+    asyncio.get_running_loop().call_later(STOP_GRACE, _exit_unless, stopped)
+
+
+def _exit_unless(stopped: threading.Event) -> None:
+    if stopped.is_set():
+        return
+    logger.error("the operator did not stop within %.0f s of losing the lease: exiting", STOP_GRACE)
+    logging.shutdown()
+    os._exit(1)  # nothing may act past the deadline; the pod restarts as a standby

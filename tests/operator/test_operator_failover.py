@@ -7,6 +7,8 @@ reach the engines through recording proxies, which count what each launcher pod 
 The standby takes over after the lease expires (never before: the old leader might still act),
 the rollout finishes, no world is replaced twice and no pod receives a transition twice. Then the
 new leader is cut off from its Lease: it stops acting (exits) before the Lease can expire.
+The election runs beside kopf's event loop: a leader whose loop is blocked for twice the lease
+duration keeps its Lease, and one cut off while blocked still exits in time.
 """
 
 from __future__ import annotations
@@ -55,11 +57,11 @@ def lease(cluster: Cluster) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def operator_process(
-    cluster: Cluster, addresses: Path, log: Path, liveness: str = ""
+    cluster: Cluster, addresses: Path, log: Path, liveness: str = "", stall: float = 0.0
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     with log.open("wb") as output:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, str(SCRIPT), "--addresses", str(addresses),
+            sys.executable, str(SCRIPT), "--addresses", str(addresses), "--stall-on-sigusr1", str(stall),
             "--namespace", cluster.namespace, "--kubeconfig", str(cluster.kubeconfig),
             "--metrics-port", "0", "--liveness", liveness, "--lease-namespace", LEASE_NAMESPACE,
             "--lease-duration", str(LEASE_SECONDS), "--lease-renew-interval", str(RENEW_SECONDS),
@@ -155,3 +157,38 @@ async def test_the_standby_takes_over_a_rollout_from_a_killed_leader_and_repeats
             assert stopped < last + dt.timedelta(seconds=LEASE_SECONDS), (stopped, last)
     log = (tmp_path / "b.log").read_text()
     assert "lost the lease" in log, log[-3000:]
+
+
+async def test_a_blocked_leader_keeps_its_lease_and_one_cut_off_while_blocked_still_exits_in_time(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    addresses = tmp_path / "addresses.json"
+    addresses.write_text("{}")
+    stall = 2 * LEASE_SECONDS
+    async with operator_process(cluster, addresses, tmp_path / "operator.log", stall=stall) as leader:
+        await wait_for(lambda: lease(cluster).get("holderIdentity"), 60, "the operator leading")
+        holder = lease(cluster)["holderIdentity"]
+
+        # kopf's loop blocked for longer than the Lease lasts: the renewals go on regardless.
+        leader.send_signal(signal.SIGUSR1)
+        blocked = time.monotonic()
+        renewals = set()
+        while time.monotonic() - blocked < stall + 1:
+            renewals.add(lease(cluster)["renewTime"])
+            await asyncio.sleep(0.25)
+        assert len(renewals) >= stall / RENEW_SECONDS / 2, sorted(renewals)
+        assert leader.returncode is None
+        assert lease(cluster)["holderIdentity"] == holder
+
+        # Cut off from its Lease while blocked: its loop cannot stop kopf, the election's thread
+        # ends the process before the Lease can expire.
+        cluster.emulator.deny("update", "leases", "berth-operator", "cut off (test)", status=503)
+        leader.send_signal(signal.SIGUSR1)
+        await asyncio.sleep(0.5)  # a renewal already past the check has landed
+        last = parse_time(lease(cluster)["renewTime"])
+        await wait_for(lambda: leader.returncode is not None, 30, "the cut-off leader exited")
+        exited = dt.datetime.now(dt.timezone.utc)
+        assert leader.returncode == 1
+        assert exited < last + dt.timedelta(seconds=LEASE_SECONDS), (exited, last)
+    log = (tmp_path / "operator.log").read_text()
+    assert "lost the lease" in log and "did not stop within" in log, log[-3000:]

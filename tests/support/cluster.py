@@ -124,14 +124,12 @@ class Cluster:
     def objects(self, resource: str, namespace: str | None = "default") -> list[dict[str, Any]]:
         """Live objects of one resource ('v1/pods', 'apps/v1/statefulsets', ...), by name."""
         wanted = kmock.resource(resource)
+        store = self.emulator.objects._objects
+        keys = store.keys_of(wanted.group, wanted.version, wanted.plural)
         found = [
-            obj.raw
-            for (res, ns, _), obj in list(self.emulator.objects.items())
-            if res.group == wanted.group
-            and res.version == wanted.version
-            and res.plural == wanted.plural
-            and (namespace is None or ns == namespace)
-            and not obj.deleted
+            store[key].raw
+            for (ns, _), key in list(keys.items())
+            if (namespace is None or ns == namespace) and not store[key].deleted
         ]
         return sorted(found, key=lambda obj: obj["metadata"]["name"])
 
@@ -143,7 +141,14 @@ class Cluster:
         return None if obj.deleted else obj.raw
 
     def names(self, resource: str, namespace: str = "default") -> list[str]:
-        return [obj["metadata"]["name"] for obj in self.objects(resource, namespace)]
+        """The names of the live objects of one resource, sorted (read from the store's index:
+        no copy of any object)."""
+        wanted = kmock.resource(resource)
+        store = self.emulator.objects._objects
+        keys = store.keys_of(wanted.group, wanted.version, wanted.plural)
+        return sorted(
+            name for (ns, name), key in list(keys.items()) if ns == namespace and not store[key].deleted
+        )
 
     def event_messages(self, reason: str) -> list[str]:
         """The messages of the Events with this reason, oldest first."""
@@ -259,8 +264,13 @@ def _owner(kind: str, meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _owned_by(obj: dict[str, Any], uid: str) -> bool:
-    return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or [])
+def _by_owner(objects: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Owner uid -> the objects it owns (one pass: each controller looks its own up)."""
+    owned: dict[str, list[dict[str, Any]]] = {}
+    for obj in objects:
+        for ref in obj["metadata"].get("ownerReferences") or []:
+            owned.setdefault(ref.get("uid"), []).append(obj)
+    return owned
 
 
 @dataclass
@@ -282,6 +292,18 @@ class ClusterSim:
     _running_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod
     failed_creates: list[str] = field(default_factory=list)  # what the API refused, as the Events say
     failed_passes: int = 0  # passes of the controllers that raised (logged, then retried)
+    # (uid, generation) -> its template's hash: a template changes only with its owner's spec.
+    _hashes: dict[tuple[str, Any], str] = field(default_factory=dict)
+    # The garbage collector reads every object: it runs after a deletion, else every few passes.
+    _collected_after: int = -1
+    _passes: int = 0
+
+    def _template_hash(self, owner: dict[str, Any]) -> str:
+        meta = owner["metadata"]
+        key = (meta["uid"], meta.get("generation"))
+        if key not in self._hashes:
+            self._hashes[key] = template_hash(owner["spec"]["template"])
+        return self._hashes[key]
 
     async def _create_pod(self, owner_kind: str, owner: dict[str, Any], pod: dict[str, Any]) -> None:
         """Create a pod; a refusal becomes a FailedCreate Event on the owner, as the real
@@ -320,16 +342,16 @@ class ClusterSim:
 
     async def statefulset_controller(self) -> None:
         c = self.cluster
-        pods = {
-            (pod["metadata"]["namespace"], pod["metadata"]["name"]): pod for pod in c.objects("v1/pods", None)
-        }
+        all_pods = c.objects("v1/pods", None)
+        pods = {(pod["metadata"]["namespace"], pod["metadata"]["name"]) for pod in all_pods}
+        owned = _by_owner(all_pods)
         for sts in c.objects("apps/v1/statefulsets", None):
             meta, spec = sts["metadata"], sts["spec"]
             namespace = meta["namespace"]
             template = spec["template"]
             # What the real controller stamps on each pod (its ControllerRevision's name): the
             # reason a StatefulSet's name must leave 11 characters of a label value's 63.
-            revision = f"{meta['name']}-{template_hash(template)}"
+            revision = f"{meta['name']}-{self._template_hash(sts)}"
             for ordinal in range(int(spec.get("replicas", 1))):
                 name = f"{meta['name']}-{ordinal}"
                 if (namespace, name) in pods:
@@ -352,30 +374,27 @@ class ClusterSim:
                     "spec": {**template["spec"], "hostname": name, "subdomain": spec.get("serviceName")},
                 }
                 await self._create_pod("StatefulSet", sts, pod)
-            for (ns, name), pod in pods.items():
+            for pod in owned.get(meta["uid"], []):
+                name = pod["metadata"]["name"]
                 ordinal = name.rsplit("-", 1)[-1]
                 if (
-                    ns == namespace
-                    and _owned_by(pod, meta["uid"])
-                    and ordinal.isdigit()
+                    ordinal.isdigit()
                     and int(ordinal) >= int(spec.get("replicas", 1))
                     and not pod["metadata"].get("deletionTimestamp")
                 ):
-                    await c.api("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
+                    await c.api("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}")
 
     async def deployment_controller(self) -> None:
         """Pods NAME-HASH-XXXXX from each Deployment's template (no ReplicaSet in between): as
         many as `replicas`; a changed template replaces them all (like strategy Recreate)."""
         c = self.cluster
-        pods = c.objects("v1/pods", None)
+        by_owner = _by_owner(c.objects("v1/pods", None))
         for deployment in c.objects("apps/v1/deployments", None):
             meta, spec = deployment["metadata"], deployment["spec"]
             template = spec["template"]
-            current = template_hash(template)
+            current = self._template_hash(deployment)
             owned = [
-                pod
-                for pod in pods
-                if _owned_by(pod, meta["uid"]) and not pod["metadata"].get("deletionTimestamp")
+                pod for pod in by_owner.get(meta["uid"], []) if not pod["metadata"].get("deletionTimestamp")
             ]
             outdated = [pod for pod in owned if pod["metadata"]["labels"].get("pod-template-hash") != current]
             fresh = [pod for pod in owned if pod not in outdated]
@@ -510,7 +529,12 @@ class ClusterSim:
                     await c.api("DELETE", resource_path(res, ns, obj["metadata"]["name"]))
 
     async def run_once(self) -> None:
-        await self.garbage_collector()
+        deletions = self.cluster.emulator.deletions
+        if deletions != self._collected_after or self._passes % 20 == 0:
+            # Before the pass: a deletion that lands during it is seen by the next one.
+            self._collected_after = deletions
+            await self.garbage_collector()
+        self._passes += 1
         await self.statefulset_controller()
         await self.deployment_controller()
         if self.scheduler is not None:

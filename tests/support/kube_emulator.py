@@ -14,8 +14,9 @@ Further gaps found while building the operator's tests, fixed here too:
 - list ignores `labelSelector` (every list returns the whole namespace): filtered here;
 - every get, list and watch scans every stored object of every kind, comparing resources
   through a pattern-matching __eq__ (O(objects) per request, O(N^2) for N deployments: the
-  benchmark's 100 deployments spent most of their time there): objects are looked up by key,
-  and listed from a per-resource index kept as the store grows;
+  benchmark's 100 deployments spent most of their time there): the store keeps an index by
+  resource and name as it changes (`IndexedStore`); a named object is one dict lookup, a list
+  reads only its resource's keys;
 - the scale subresource answers with the object itself (kubectl scale cannot decode it): it
   now speaks autoscaling/v1 Scale through the CRD's paths (.spec.replicas, .status.replicas,
   .status.selector), as `kubectl scale` and an HPA use it;
@@ -44,10 +45,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import kmock
 import yaml
 from kmock._internal import dicts, dsl, enums, parsing, rendering
-from kmock._internal.k8s import KubernetesScaffold
+from kmock._internal.k8s import KubernetesError, KubernetesScaffold
 
 from tests.support import api_rules, cel_rules, server_side_apply, structural
 
@@ -190,6 +192,40 @@ def disruptions_allowed(budget: dict[str, Any], pods: list[dict[str, Any]]) -> i
     return max(0, healthy - desired)
 
 
+class IndexedStore(dict):
+    """kmock's object store (key: (resource, namespace, name)), indexed as it changes:
+    (group, version, plural) -> {(namespace, name): key}, in the store's order. kmock writes its
+    store only through `[key] = ...`, `del` and `clear()`; soft deletions keep the key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_resource: dict[tuple[str | None, str | None, str | None], dict[tuple[Any, str], Any]] = {}
+
+    def keys_of(
+        self, group: str | None, version: str | None, plural: str | None
+    ) -> dict[tuple[Any, str], Any]:
+        return self.by_resource.get((group, version, plural), {})
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self:
+            resource, namespace, name = key
+            self.by_resource.setdefault((resource.group, resource.version, resource.plural), {})[
+                namespace, name
+            ] = key
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        resource, namespace, name = key
+        keys = self.by_resource.get((resource.group, resource.version, resource.plural), {})
+        if keys.get((namespace, name)) == key:
+            del keys[namespace, name]
+
+    def clear(self) -> None:
+        super().clear()
+        self.by_resource.clear()
+
+
 class Emulator(kmock.KubernetesEmulator):
     """Import and use as `@pytest.mark.kmock(cls=Emulator)` or directly with `kmock.Server`."""
 
@@ -210,53 +246,38 @@ class Emulator(kmock.KubernetesEmulator):
             return None
         return None if obj.deleted else copy.deepcopy(obj.raw)
 
-    def _index(self) -> dict[tuple[str | None, str | None, str | None], list[Any]]:
-        """(group, version, plural) -> the store's keys of that resource, in creation order.
-        The store only grows (deletions are soft) but for an explicit `del`: new keys are at its
-        end; a smaller store rebuilds the index."""
-        store = self._objects._objects
-        if len(store) < self._indexed:
-            self._by_resource, self._indexed = {}, 0
-        if len(store) > self._indexed:
-            for key in itertools.islice(store, self._indexed, None):
-                resource = key[0]
-                self._by_resource.setdefault((resource.group, resource.version, resource.plural), []).append(
-                    key
-                )
-            self._indexed = len(store)
-        return self._by_resource
-
     def _KubernetesEmulator__get_objs(self, request: Any, strict: bool) -> list[Any]:
         # Same answer as kmock's own scan (see the module docstring), by key and by index.
         store = self._objects._objects
         wanted = request.resource
-        keys = self._index().get((wanted.group, wanted.version, wanted.plural), [])
-        found = []
-        for key in keys:
-            _, namespace, name = key
-            if strict and namespace != request.namespace:
-                continue
-            if not strict and request.namespace is not None and namespace != request.namespace:
-                continue
-            if request.name is not None and name != request.name:
-                continue
-            found.append(store[key])
-        return found
+        keys = store.keys_of(wanted.group, wanted.version, wanted.plural)
+        if request.name is not None and (strict or request.namespace is not None):
+            key = keys.get((request.namespace, request.name))
+            return [] if key is None else [store[key]]
+        return [
+            store[key]
+            for (namespace, name), key in keys.items()
+            if (namespace == request.namespace or (not strict and request.namespace is None))
+            and (request.name is None or name == request.name)
+        ]
 
     def _get_resources(self) -> list[Any]:
         # The declared resources (the scaffold's), plus those of stored objects (kmock's rule).
         resources = set(KubernetesScaffold._get_resources(self))
-        resources.update(keys[0][0] for keys in self._index().values() if keys)
+        resources.update(
+            next(iter(keys.values()))[0] for keys in self._objects._objects.by_resource.values() if keys
+        )
         return list(resources)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self._by_resource: dict[tuple[str | None, str | None, str | None], list[Any]] = {}
-        self._indexed = 0
+        # The array is a frozen attrs class: its (still empty) dict is swapped the way attrs allows.
+        object.__setattr__(self._objects, "_objects", IndexedStore())
         # Set per instance: tests arm them.
         self.slow_creates = {}
         self.failures: list[tuple[str, str, str | None, int]] = []  # (method, plural, subresource, status)
         self.denials: dict[tuple[str, str, str | None], tuple[int, str]] = {}  # see deny()
+        self.deletions = 0  # DELETE requests received (the simulated garbage collector's cue)
         self.evictions: list[tuple[str, int]] = []  # (pod, status) of every eviction answered 201 or 429
         # RBAC for the operator's requests: f(request) -> None (allowed) or the 403's message
         # (tests/support/rbac.py); None lets every request through.
@@ -462,6 +483,8 @@ class Emulator(kmock.KubernetesEmulator):
         )
 
     async def _handle(self, request: Any) -> Any:
+        if request.action == enums.action.DELETE:
+            self.deletions += 1
         refusal = self._unauthorized(request)
         if refusal is not None:
             self.forbidden.append(refusal)
@@ -636,11 +659,11 @@ class Emulator(kmock.KubernetesEmulator):
     def _live(self, group: str, plural: str, namespace: str | None) -> list[dict[str, Any]]:
         """The stored objects of one resource in a namespace (not deleted)."""
         store = self._objects._objects
-        found = []
-        for key in self._index().get((group, "v1", plural), []):
-            if key[1] == namespace and not store[key].deleted:
-                found.append(copy.deepcopy(store[key].raw))
-        return found
+        return [
+            copy.deepcopy(store[key].raw)
+            for (ns, _), key in store.keys_of(group, "v1", plural).items()
+            if ns == namespace and not store[key].deleted
+        ]
 
     async def _delete_pod(self, request: Any) -> Any:
         """Graceful deletion, as the API server does it for a pod bound to a node: the first
@@ -714,6 +737,26 @@ class Emulator(kmock.KubernetesEmulator):
         if merged.get("spec") != current.get("spec"):
             meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
         meta["resourceVersion"] = str(next(self._resource_versions))
+
+    async def _render_error(self, exc: Exception) -> Any:
+        # A 404 or 409 is an answer, not a fault: a real API server sends no traceback with it
+        # (kmock formats one for every error: at 1,000 deployments, a tenth of its time). Faults
+        # of the emulator itself (500s) keep theirs.
+        if isinstance(exc, KubernetesError) and exc.status < 500:
+            return aiohttp.web.json_response(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Status",
+                    "metadata": {},
+                    "code": exc.status,
+                    "status": "Failure",
+                    "reason": exc.reason or type(exc).__name__,
+                    "message": exc.message or repr(exc),
+                    "details": exc.details or {},
+                },
+                status=exc.status,
+            )
+        return await super()._render_error(exc)
 
     async def _serve_version(self, request: Any) -> Any:
         doc = await super()._serve_version(request)

@@ -3,6 +3,8 @@ them, or cut them off: the same entry point as the CLI's (`berth.operator.cli.ru
 leader election and kopf included), with one difference a test needs: launcher pods are mapped
 to their engines through a JSON file the test keeps current (pod uid -> [host, port]), when the
 engines run on 127.0.0.1, not at pod IPs (without --addresses: pod IPs, as in a cluster).
+With --stall-on-sigusr1 SECONDS, a SIGUSR1 blocks the main thread (kopf's event loop) for that
+long, as a burst of work or a long synchronous call would.
 
     python tests/support/operator_process.py --addresses FILE [berth operator's arguments]
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,8 +39,11 @@ class FileResolver:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="operator_process")
     parser.add_argument("--addresses", type=Path, help="without it: pod IPs, as in a cluster")
+    parser.add_argument("--stall-on-sigusr1", type=float, metavar="SECONDS")
     cli.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.stall_on_sigusr1:
+        signal.signal(signal.SIGUSR1, lambda *_: time.sleep(args.stall_on_sigusr1))
     memo = {"resolve_launcher_address": FileResolver(args.addresses)} if args.addresses else {}
     return cli.run_operator(args, memo)
 
