@@ -99,6 +99,22 @@ def transitions(resolver: RecordingResolver) -> Counter[tuple[str, str]]:
     )
 
 
+async def cut_off_exits_in_time(
+    cluster: Cluster, leader: asyncio.subprocess.Process, stall: bool = False
+) -> None:
+    """Refuses the leader's Lease updates (and, with `stall`, blocks its loop): it must exit 1
+    before its last renewal + the lease duration, when a standby may take over."""
+    cluster.emulator.deny("update", "leases", "berth-operator", "cut off (test)", status=503)
+    if stall:
+        leader.send_signal(signal.SIGUSR1)
+        await asyncio.sleep(0.5)  # a renewal already past the check has landed
+    last = parse_time(lease(cluster)["renewTime"])
+    await wait_for(lambda: leader.returncode is not None, 30, "the cut-off leader exited")
+    exited = dt.datetime.now(dt.timezone.utc)
+    assert leader.returncode == 1
+    assert exited < last + dt.timedelta(seconds=LEASE_SECONDS), (exited, last)
+
+
 async def test_the_standby_takes_over_a_rollout_from_a_killed_leader_and_repeats_nothing(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -149,12 +165,7 @@ async def test_the_standby_takes_over_a_rollout_from_a_killed_leader_and_repeats
             assert cluster.emulator.forbidden == []
 
             # The leader cut off from its Lease stops acting before the Lease can expire.
-            cluster.emulator.deny("update", "leases", "berth-operator", "cut off (test)", status=503)
-            last = parse_time(lease(cluster)["renewTime"])
-            await wait_for(lambda: second.returncode is not None, 30, "the cut-off leader stopped")
-            stopped = dt.datetime.now(dt.timezone.utc)
-            assert second.returncode == 1
-            assert stopped < last + dt.timedelta(seconds=LEASE_SECONDS), (stopped, last)
+            await cut_off_exits_in_time(cluster, second)
     log = (tmp_path / "b.log").read_text()
     assert "lost the lease" in log, log[-3000:]
 
@@ -182,13 +193,6 @@ async def test_a_blocked_leader_keeps_its_lease_and_one_cut_off_while_blocked_st
 
         # Cut off from its Lease while blocked: its loop cannot stop kopf, the election's thread
         # ends the process before the Lease can expire.
-        cluster.emulator.deny("update", "leases", "berth-operator", "cut off (test)", status=503)
-        leader.send_signal(signal.SIGUSR1)
-        await asyncio.sleep(0.5)  # a renewal already past the check has landed
-        last = parse_time(lease(cluster)["renewTime"])
-        await wait_for(lambda: leader.returncode is not None, 30, "the cut-off leader exited")
-        exited = dt.datetime.now(dt.timezone.utc)
-        assert leader.returncode == 1
-        assert exited < last + dt.timedelta(seconds=LEASE_SECONDS), (exited, last)
+        await cut_off_exits_in_time(cluster, leader, stall=True)
     log = (tmp_path / "operator.log").read_text()
     assert "lost the lease" in log and "did not stop within" in log, log[-3000:]
