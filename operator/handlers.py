@@ -101,9 +101,10 @@ async def reconcile_children(
     patch: kopf.Patch,
     memo: kopf.Memo,
     logger: kopf.Logger,
-    **_: Any,
+    **indexes: Any,
 ) -> None:
     started = time.perf_counter()
+    children = _watched_children(memo, indexes)
     generation = meta.get("generation")
     try:
         parsed = parse_spec(spec, name)
@@ -127,6 +128,7 @@ async def reconcile_children(
             prune_extra=reason != kopf.Reason.CREATE,
             drift=memo.drift,
             released=gang.released_worlds((body.get("status") or {}).get("worlds") or [], utc_now()),
+            seen=children.seen(namespace, name) if children is not None else None,
         )
     except KubeError as exc:
         # Refusals (403, 422) and conflicts are in the outcome; this is the API being unwell.
@@ -205,16 +207,34 @@ def _refuse(patch: kopf.Patch, generation: int | None, message: str) -> None:
     patch.status["refusal"] = {"generation": generation, "message": message}
 
 
-# Every berth pod and StatefulSet, as the watches last saw it (watched.py): the health rounds
-# read them here instead of listing them from the API server every round.
-@kopf.index("v1", "pods", labels={naming.DEPLOYMENT: kopf.PRESENT})
-def berth_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict:
+# Every berth-labelled child of the watched kinds, as the watches last saw it (watched.py): the
+# health rounds and resyncs read them here instead of from the API server. kind -> (resource, index
+# name: the keyword the handlers receive it by).
+WATCHED = {
+    "Pod": (("v1", "pods"), "berth_pods"),
+    "StatefulSet": (("apps", "v1", "statefulsets"), "berth_statefulsets"),
+    "ConfigMap": (("v1", "configmaps"), "berth_configmaps"),
+    "Service": (("v1", "services"), "berth_services"),
+    "Deployment": (("apps", "v1", "deployments"), "berth_deployments"),
+    "NetworkPolicy": (("networking.k8s.io", "v1", "networkpolicies"), "berth_networkpolicies"),
+    "PodDisruptionBudget": (("policy", "v1", "poddisruptionbudgets"), "berth_poddisruptionbudgets"),
+}
+
+
+def berth_child(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict:
     return watched.entry(body, namespace, labels[naming.DEPLOYMENT])
 
 
-@kopf.index("apps", "v1", "statefulsets", labels={naming.DEPLOYMENT: kopf.PRESENT})
-def berth_statefulsets(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict:
-    return watched.entry(body, namespace, labels[naming.DEPLOYMENT])
+for _resource, _index in WATCHED.values():
+    kopf.index(*_resource, id=_index, labels={naming.DEPLOYMENT: kopf.PRESENT})(berth_child)
+
+
+def _watched_children(memo: kopf.Memo, indexes: dict[str, Any]) -> watched.WatchedChildren | None:
+    """The watches' view of the children, from the indexes kopf hands every handler; None where
+    the operator reads the API server instead (memo.list_children: the benchmark's baseline)."""
+    if memo.get("list_children"):
+        return None
+    return watched.WatchedChildren({kind: indexes[index] for kind, (_, index) in WATCHED.items()})
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
@@ -225,12 +245,9 @@ async def supervise_worlds(
     stopped: kopf.DaemonStopped,
     memo: kopf.Memo,
     logger: kopf.Logger,
-    berth_pods: kopf.Index,
-    berth_statefulsets: kopf.Index,
-    **_: Any,
+    **indexes: Any,
 ) -> None:
-    # memo.list_children: the rounds list from the API server instead (the benchmark's baseline).
-    children = None if memo.get("list_children") else watched.WatchedChildren(berth_pods, berth_statefulsets)
+    children = _watched_children(memo, indexes)
     supervisor = Supervisor(
         kube=memo.kube,
         http=memo.http,

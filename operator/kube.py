@@ -197,10 +197,18 @@ class Kube:
         return await self.request("PATCH", path, obj, query=query, content_type=APPLY_PATCH)
 
     async def delete(
-        self, api_version: str, kind: str, namespace: str, name: str, grace_seconds: int | None = None
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        grace_seconds: int | None = None,
+        uid: str | None = None,
     ) -> bool:
         """Delete with background propagation (dependents go through the garbage collector);
-        `grace_seconds` overrides a pod's termination grace period (0: at once, no kubelet asked)."""
+        `grace_seconds` overrides a pod's termination grace period (0: at once, no kubelet asked).
+        `uid`: only that object (a precondition): one of the same name made since is left alone.
+        False when there was nothing (of that uid) to delete."""
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "DeleteOptions",
@@ -208,8 +216,14 @@ class Kube:
         }
         if grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
         try:
             await self.request("DELETE", resource_path(api_version, kind, namespace, name), body)
         except NotFound:
             return False
+        except Conflict:
+            if uid is None:
+                raise
+            return False  # the precondition failed: the name is another object's now
         return True

@@ -118,12 +118,21 @@ class OperatorMetrics:
             for key, metric, text in AUTOSCALING_GAUGES
         }
         self._phases: dict[tuple[str, str], Tally[str]] = {}
+        # Their sum, kept as they change: every deployment's daemon sets its share every round,
+        # and summing them all each time grew with the square of the deployments.
+        self._phase_total: Tally[str] = Tally()
         self._lock = threading.Lock()
 
     def set_world_phases(self, namespace: str, deployment: str, phases: list[str]) -> None:
         """Replace one deployment's share of the worlds-by-phase gauge."""
         with self._lock:
-            self._phases[(namespace, deployment)] = Tally(phases)
+            share = Tally(phases)
+            before = self._phases.get((namespace, deployment), Tally())
+            if share == before and (namespace, deployment) in self._phases:
+                return
+            self._phases[(namespace, deployment)] = share
+            self._phase_total.subtract(before)
+            self._phase_total.update(share)
             self._publish()
 
     def set_rollout(self, namespace: str, deployment: str, memory: dict, replicas: int) -> None:
@@ -193,13 +202,11 @@ class OperatorMetrics:
         with contextlib.suppress(KeyError):
             self.last_round.remove(namespace, deployment)
         with self._lock:
-            self._phases.pop((namespace, deployment), None)
+            self._phase_total.subtract(self._phases.pop((namespace, deployment), Tally()))
             self._publish()
 
     def _publish(self) -> None:
-        total: Tally[str] = Tally()
-        for tally in self._phases.values():
-            total.update(tally)
+        total = self._phase_total
         for phase in set(total) | {labels[0] for labels in self._known_phases()}:
             self.worlds.labels(phase).set(total.get(phase, 0))
 

@@ -34,6 +34,7 @@ from berth.operator.child_problems import (
 )
 from berth.operator.crd_model import LLMDeploymentSpec
 from berth.operator.kube import Conflict, Kube, KubeError
+from berth.operator.watched import Seen
 
 # What an API server answers a write it refuses for good until someone changes something:
 # forbidden (admission, quota, a webhook, RBAC) and invalid. Reported and retried, not fatal.
@@ -206,7 +207,11 @@ def applied_config(desired: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def ensure(
-    kube: Kube, desired: Mapping[str, Any], outcome: Outcome, drift: DriftMemory | None = None
+    kube: Kube,
+    desired: Mapping[str, Any],
+    outcome: Outcome,
+    drift: DriftMemory | None = None,
+    seen: Seen | None = None,
 ) -> dict[str, Any] | None:
     """Create `desired`, or apply it again if the object drifted or the rendering changed.
     Returns the live object, or None when it is not this LLMDeployment's (a conflict) or the API
@@ -217,10 +222,13 @@ async def ensure(
     Secrets are created, not applied: a pod's spec is immutable (an outdated launcher pod is the
     daemon's to replace, a world restart), and a Secret's data is generated once, so it must not
     be a field the operator applies (a later apply of its metadata alone would remove it).
+
+    `seen`: the watches' view; an object it shows is not read again (at worst it is a little
+    stale and applied once more). One it does not show is read: it may be there all the same.
     """
     meta = desired["metadata"]
     try:
-        live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+        live = await _read(kube, desired, seen)
         if live is None:
             try:
                 # An apply of an object that does not exist creates it. (One created by someone
@@ -266,11 +274,21 @@ async def keep(
     return result
 
 
-async def _existing(kube: Kube, desired: Mapping[str, Any], outcome: Outcome) -> None:
-    """`ensure` without the create: an object in the way is still found and reported."""
+async def _read(kube: Kube, desired: Mapping[str, Any], seen: Seen | None) -> dict[str, Any] | None:
+    """The live object of `desired`: from the watches if they show it, else from the API server."""
     meta = desired["metadata"]
-    try:
+    live = seen.named(desired["kind"], meta["name"]) if seen is not None else None
+    if live is None:
         live = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    return live
+
+
+async def _existing(
+    kube: Kube, desired: Mapping[str, Any], outcome: Outcome, seen: Seen | None = None
+) -> None:
+    """`ensure` without the create: an object in the way is still found and reported."""
+    try:
+        live = await _read(kube, desired, seen)
     except KubeError as exc:
         _refused(exc, "get", desired, outcome)
         return
@@ -368,29 +386,31 @@ async def prune(
     spec: LLMDeploymentSpec,
     outcome: Outcome,
     released: frozenset[int] = frozenset(),
+    seen: Seen | None = None,
 ) -> None:
     """Delete the children of worlds beyond `replicas` and frontends no longer wanted.
 
     A world beyond `replicas` keeps everything while its launcher pod stands: the health
     daemon first drains its engine (sleep, mode drain) and deletes the launcher, so requests
     in flight there finish; the rest of the world goes on the next prune.
+
+    `seen`: the watches' view, for the kinds it covers (listed from the API server otherwise).
+    What it does not show yet is pruned on a later round; what it still shows after it went
+    is deleted once more (a 404, nothing done).
     """
     wanted = {_ref(child) for child in render.children(owner, spec, released)}
     selector = {naming.MANAGED_BY: "berth", naming.DEPLOYMENT: owner.name}
     launchers = {naming.ROLE: "launcher"}
-    live_launchers = [
-        pod
-        for pod in await kube.list("v1", "Pod", owner.namespace, {**selector, **launchers})
-        if controlled_by(pod, owner.uid)
-    ]
+
+    async def found(api_version: str, kind: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        if seen is not None and seen.covers(kind):
+            return seen.labelled(kind, {**selector, **labels})
+        return await kube.list(api_version, kind, owner.namespace, {**selector, **labels})
+
+    live_launchers = [pod for pod in await found("v1", "Pod", launchers) if controlled_by(pod, owner.uid)]
     draining = {str(world) for world in retiring_worlds(spec, live_launchers)}
     for api_version, kind, labels in (*PRUNABLE, ("v1", "Pod", launchers)):
-        found = (
-            live_launchers
-            if kind == "Pod"
-            else await kube.list(api_version, kind, owner.namespace, {**selector, **labels})
-        )
-        for live in found:
+        for live in live_launchers if kind == "Pod" else await found(api_version, kind, labels):
             # List items carry no kind on a real API server: name them from the query.
             ref = f"{kind}/{live['metadata']['name']}"
             # Only what this LLMDeployment controls: labels alone are anyone's to set.
@@ -401,7 +421,12 @@ async def prune(
                 try:
                     # A launcher pruned here has nothing to drain (its world drained or was released).
                     grace = render.stop_grace_seconds(spec) if kind == "Pod" else None
-                    if await kube.delete(api_version, kind, owner.namespace, live["metadata"]["name"], grace):
+                    # Only the object seen: under its name there may be another since (the
+                    # watches lag), and that one was not judged.
+                    meta = live["metadata"]
+                    if await kube.delete(
+                        api_version, kind, owner.namespace, meta["name"], grace, meta.get("uid")
+                    ):
                         outcome.deleted.append(ref)
                         outcome.succeeded.append(ref)
                 except KubeError as exc:
@@ -418,6 +443,7 @@ async def reconcile(
     prune_extra: bool,
     drift: DriftMemory | None = None,
     released: frozenset[int] = frozenset(),
+    seen: Seen | None = None,
 ) -> Outcome:
     """Secrets first (pods reference them), then every world's hostfile, headless Service and
     StatefulSet and the endpoint, then the launcher pods and frontends (their hostfile and
@@ -425,7 +451,10 @@ async def reconcile(
 
     Within a stage the objects are independent, so they go concurrently: the reconcile's
     latency is three stages of API round trips, not two round trips per child (14 children per
-    2-world deployment took 26 sequential round trips)."""
+    2-world deployment took 26 sequential round trips).
+
+    `seen`: the children as the watches show them (watched.py); those it shows are not read
+    from the API server again, and prune lists nothing it covers."""
     outcome = Outcome()
     secrets_usable = await ensure_secrets(kube, owner, outcome)
     children = render.children(owner, spec, released)  # released: worlds without pods (gang.py)
@@ -437,7 +466,7 @@ async def reconcile(
         if child["kind"] not in ("Pod", "Deployment")
         and (secrets_usable or child["kind"] not in mounts_secrets)
     ]
-    await asyncio.gather(*(ensure(kube, child, outcome, drift) for child in first))
+    await asyncio.gather(*(ensure(kube, child, outcome, drift, seen) for child in first))
     # A world whose hostfile, Service or StatefulSet is someone else's, or was refused, gets no
     # launcher: mpirun would look for what is not there (or not ours).
     held_up = {conflict.world for conflict in outcome.conflicts} | {
@@ -453,12 +482,12 @@ async def reconcile(
     ]
     await asyncio.gather(
         *(
-            _existing(kube, child, outcome)
+            _existing(kube, child, outcome, seen)
             if child["kind"] == "Pod" and launchers_later
-            else ensure(kube, child, outcome, drift)
+            else ensure(kube, child, outcome, drift, seen)
             for child in second
         )
     )
     if prune_extra:
-        await prune(kube, owner, spec, outcome, released)
+        await prune(kube, owner, spec, outcome, released, seen)
     return outcome

@@ -41,7 +41,7 @@ from berth.operator.health import AddressResolver, EngineLoad, Probe, base_url, 
 from berth.operator.kube import Conflict, Kube, KubeError, NotFound
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import RestartPolicy, format_time, parse_time
-from berth.operator.watched import Expectations, WatchedChildren
+from berth.operator.watched import WATCHED_KINDS, Expectations, Seen, WatchedChildren
 
 SETTLED_PHASES = ("Ready", "Failed", "Sleeping")
 FAST_INTERVAL = 2.0
@@ -90,6 +90,9 @@ class Supervisor:
         self.children = children
         self._expected = {kind: Expectations() for kind in ("Pod", "StatefulSet")}
         self._uids: dict[tuple[str, str], str] = {}  # (kind, name) -> uid, as last read
+        # world -> (launcher's, workers' spec hash) as the spec renders them (see _desired_hashes).
+        self._hashes: dict[int, tuple[str, str]] = {}
+        self._hashes_of = ""  # the spec those are of, as JSON
         self.http = http
         self.resolver = resolver
         self.metrics = metrics
@@ -395,7 +398,9 @@ class Supervisor:
             del self._polls[index]  # a world built again later is polled anew
         wanted = spec.model_copy(update={"replicas": decision.worlds})
         if decision.worlds > current.replicas and reconciled:
-            outcome = await reconcile.reconcile(self.kube, owner, wanted, prune_extra=False, drift=self.drift)
+            outcome = await reconcile.reconcile(
+                self.kube, owner, wanted, prune_extra=False, drift=self.drift, seen=self._seen(owner)
+            )
             for event in outcome.events() + outcome.record(self.problems, now):
                 self.post_event(*event)
         return wanted, decision
@@ -876,7 +881,13 @@ class Supervisor:
             return
         self._last_resync = now
         outcome = await reconcile.reconcile(
-            self.kube, owner, spec, prune_extra=True, drift=self.drift, released=released
+            self.kube,
+            owner,
+            spec,
+            prune_extra=True,
+            drift=self.drift,
+            released=released,
+            seen=self._seen(owner),
         )
         for event in outcome.events() + outcome.record(self.problems, now):
             self.post_event(*event)
@@ -1017,6 +1028,18 @@ class Supervisor:
         wanted = render.launcher_pod(owner, as_before, index)["metadata"]["annotations"][naming.SPEC_HASH]
         return (launcher["metadata"].get("annotations") or {}).get(naming.SPEC_HASH) == wanted
 
+    def _desired_hashes(self, owner: render.Owner, spec: LLMDeploymentSpec, index: int) -> tuple[str, str]:
+        """The spec hashes of world `index`'s launcher and worker pods as `spec` renders them.
+        Rendered once per spec, not every round: a rendering merges the pod template (deep
+        copies), and every world of every deployment is judged every few seconds."""
+        spec_json = spec.model_dump_json()
+        if spec_json != self._hashes_of:
+            self._hashes, self._hashes_of = {}, spec_json
+        if index not in self._hashes:
+            launcher = render.launcher_pod(owner, spec, index)["metadata"]["annotations"][naming.SPEC_HASH]
+            self._hashes[index] = (launcher, render.spec_hash(render.worker_pod_spec(owner, spec, index)))
+        return self._hashes[index]
+
     async def _changed_pod_spec(
         self,
         owner: render.Owner,
@@ -1026,14 +1049,16 @@ class Supervisor:
         workers: list[dict[str, Any]],
     ) -> str | None:
         """'launcher' or 'worker' when a running pod of the world runs an outdated pod spec."""
-        if launcher is not None and not launcher["metadata"].get("deletionTimestamp"):
-            desired = render.launcher_pod(owner, spec, index)["metadata"]["annotations"][naming.SPEC_HASH]
-            if (launcher["metadata"].get("annotations") or {}).get(naming.SPEC_HASH) != desired:
-                return "launcher"
+        desired, wanted = self._desired_hashes(owner, spec, index)
+        if (
+            launcher is not None
+            and not launcher["metadata"].get("deletionTimestamp")
+            and (launcher["metadata"].get("annotations") or {}).get(naming.SPEC_HASH) != desired
+        ):
+            return "launcher"
         live_workers = [pod for pod in workers if not pod["metadata"].get("deletionTimestamp")]
         if not live_workers:
             return None
-        wanted = render.spec_hash(render.worker_pod_spec(owner, spec, index))
         if all(
             (pod["metadata"].get("annotations") or {}).get(naming.SPEC_HASH) == wanted for pod in live_workers
         ):
@@ -1145,6 +1170,19 @@ class Supervisor:
             )
         self._uids.update({(kind, obj["metadata"]["name"]): obj["metadata"]["uid"] for obj in objects})
         return objects
+
+    def _seen(self, owner: render.Owner) -> Seen | None:
+        """The watches' view of every child, for a reconcile: of pods and StatefulSets only once
+        it shows this loop's own writes (they are read from the API server until then)."""
+        if self.children is None:
+            return None
+        kinds = [
+            kind
+            for kind in WATCHED_KINDS
+            if kind not in self._expected
+            or self._expected[kind].met_by(self.children.of(kind, owner.namespace, owner.name))
+        ]
+        return self.children.seen(owner.namespace, owner.name, kinds)
 
     def _expect(self, ref: str, verb: str) -> None:
         """Remember a write of a pod or StatefulSet until the watches show it."""

@@ -1,16 +1,22 @@
-"""The pods and StatefulSets of every LLMDeployment, fed by watches instead of listed per round.
+"""Every LLMDeployment's children, fed by watches instead of read from the API server per round.
 
-Each deployment's health round needs its pods and its StatefulSets. Listing them from the API
-server every round costs two LISTs per deployment every few seconds: at a thousand deployments,
-hundreds of LISTs a second, which a real API server's priority and fairness throttles. Instead
-two kopf indexes (handlers.py) keep every berth-labelled pod and StatefulSet, as the watch last
-delivered it, keyed by (namespace, deployment); a round reads them from memory.
+Each deployment's health round needs its pods and its StatefulSets, and its resync (the full
+reconcile that repairs children changed behind the operator's back) needs every child. Reading
+them from the API server costs two LISTs per deployment every few seconds, and a GET of every
+child and a LIST of every kind per resync: at a thousand deployments, hundreds of requests a
+second, which a real API server's priority and fairness throttles (and every LIST is a scan of
+all objects of its kind). Instead kopf indexes (handlers.py) keep every berth-labelled object of
+the kinds the operator makes, as the watch last delivered it, keyed by (namespace, deployment);
+rounds and resyncs read them from memory. Secrets are not among them: the operator may not list
+or watch Secrets (least privilege), so it reads its own by name.
 
 A watch lags the API server by the time an event takes to arrive, and under load by far more
 than a round: a loop that deleted a world's outdated pods would still see them next round, and
 delete their successors (same names) again and again. So each loop keeps `Expectations` of its
 own writes, as Kubernetes' controllers do: until the watches show every pod it deleted as gone
-or terminating, and every pod it created, its rounds list from the API server instead.
+or terminating, and every pod it created, its rounds list from the API server instead. A resync
+tolerates lag: a stale object is at worst applied once more (an apply is idempotent), and an
+object the watches do not show yet is read from the API server before anything is created.
 """
 
 from __future__ import annotations
@@ -24,19 +30,62 @@ Key = tuple[str, str]  # (namespace, deployment)
 
 
 def entry(body: Mapping[str, Any], namespace: str, deployment: str) -> dict[Key, dict[str, Any]]:
-    """An index entry: the object (a plain copy: a watch body is not ours to keep) under its key."""
-    return {(namespace, deployment): copy.deepcopy(dict(body))}
+    """An index entry: the object (a plain copy: a watch body is not ours to keep) under its key,
+    without its managedFields (never read here, and often the bulk of a pod to copy and keep)."""
+    meta = {key: value for key, value in body["metadata"].items() if key != "managedFields"}
+    return {(namespace, deployment): copy.deepcopy({**body, "metadata": meta})}
+
+
+# The kinds of children the watches keep (handlers.py indexes each), by kind.
+WATCHED_KINDS = (
+    "Pod",
+    "StatefulSet",
+    "ConfigMap",
+    "Service",
+    "Deployment",
+    "NetworkPolicy",
+    "PodDisruptionBudget",
+)
 
 
 class WatchedChildren:
-    """Reads a deployment's pods and StatefulSets from the two indexes."""
+    """Reads a deployment's children of the watched kinds from their indexes."""
 
-    def __init__(self, pods: Mapping[Key, Any], statefulsets: Mapping[Key, Any]) -> None:
-        self._by_kind = {"Pod": pods, "StatefulSet": statefulsets}
+    def __init__(self, indexes: Mapping[str, Mapping[Key, Any]]) -> None:
+        self._by_kind = dict(indexes)
 
     def of(self, kind: str, namespace: str, deployment: str) -> list[dict[str, Any]]:
         index = self._by_kind[kind]
         return list(index.get((namespace, deployment), ()))
+
+    def seen(self, namespace: str, deployment: str, kinds: Iterable[str] = WATCHED_KINDS) -> Seen:
+        """One deployment's children of `kinds` as the watches show them now."""
+        return Seen({kind: self.of(kind, namespace, deployment) for kind in kinds if kind in self._by_kind})
+
+
+class Seen:
+    """One deployment's children as the watches showed them, for the kinds they cover; the
+    other kinds are read from the API server (a kind left out is not known to be absent)."""
+
+    def __init__(self, objects: Mapping[str, list[dict[str, Any]]]) -> None:
+        self._by_kind = {
+            kind: {obj["metadata"]["name"]: obj for obj in found} for kind, found in objects.items()
+        }
+
+    def covers(self, kind: str) -> bool:
+        return kind in self._by_kind
+
+    def named(self, kind: str, name: str) -> dict[str, Any] | None:
+        """The object if the watches show it (None: not shown, which is not proof it is absent)."""
+        return self._by_kind.get(kind, {}).get(name)
+
+    def labelled(self, kind: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """The objects of a covered kind that carry every one of `labels`."""
+        return [
+            obj
+            for obj in self._by_kind[kind].values()
+            if all((obj["metadata"].get("labels") or {}).get(key) == value for key, value in labels.items())
+        ]
 
 
 EXPECTATION_TTL = 300.0  # seconds: a write the watches never show stops forcing LISTs after this

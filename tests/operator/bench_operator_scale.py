@@ -108,8 +108,9 @@ def own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-# `berth operator` whose health rounds LIST pods and StatefulSets every round (the code before
-# watches): the same process, with the handlers' memo setting the baseline reads.
+# `berth operator` that reads its children from the API server (the code before watches: the
+# health rounds LIST pods and StatefulSets every round, a resync reads every child and lists every
+# kind): the same process, with the handlers' memo setting the baseline reads.
 LISTING_OPERATOR = (
     "import argparse, sys; from berth.operator.cli import add_arguments, run_operator; "
     "parser = argparse.ArgumentParser(); add_arguments(parser); "
@@ -118,8 +119,13 @@ LISTING_OPERATOR = (
 
 
 @contextlib.asynccontextmanager
-async def operator_process(cluster: Cluster, log: Path, listed: bool) -> AsyncIterator[int]:
-    command = [sys.executable, *(("-c", LISTING_OPERATOR) if listed else ("-m", "berth", "operator"))]
+async def operator_process(
+    cluster: Cluster, log: Path, listed: bool, profile: Path | None = None
+) -> AsyncIterator[int]:
+    # Under cProfile if asked (it writes the profile when the operator exits on SIGTERM).
+    profiled = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    code = ["-c", LISTING_OPERATOR] if listed else [*profiled, "-m", "berth", "operator"]
+    command = [sys.executable, *code]
     command += ["--kubeconfig", str(cluster.kubeconfig)]
     command += ["-n", cluster.namespace, "--metrics-port", "0", "--liveness", ""]
     # The emulator is one Python event loop, shared with the simulated controllers and this
@@ -209,7 +215,9 @@ async def at_most(limit: int, calls: list[Coroutine[Any, Any, Any]]) -> None:
     await asyncio.gather(*(one(call) for call in calls))
 
 
-async def bench(count: int, mode: str, steady: float, listed: bool, timeout: float) -> None:
+async def bench(
+    count: int, mode: str, steady: float, listed: bool, timeout: float, profile: Path | None = None
+) -> None:
     example = yaml.safe_load((ROOT / "manifests" / "examples" / "llmdeployment.yaml").read_text())
     names = [f"bench-{index:03d}" for index in range(count)]
     wanted = expected_children(names, example["spec"])
@@ -228,7 +236,7 @@ async def bench(count: int, mode: str, steady: float, listed: bool, timeout: flo
             os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
             log = Path(tmp) / "operator.log"
             operator = (
-                operator_process(cluster, log, listed)
+                operator_process(cluster, log, listed, profile)
                 if mode == "process"
                 else running_operator(cluster, **({"list_children": True} if listed else {}))
             )
@@ -295,9 +303,10 @@ async def bench(count: int, mode: str, steady: float, listed: bool, timeout: flo
             f"{here:.1f} s ({100 * here / total:.0f} %)"
         )
 
-    reads = "LISTed every round (the code before watches)" if listed else "from the watches"
+    reads = "read from the API server (the code before watches)" if listed else "from the watches"
     print(
-        f"operator: {'its own process (berth operator)' if mode == 'process' else 'in-process'}; pods {reads}"
+        f"operator: {'its own process (berth operator)' if mode == 'process' else 'in-process'}; "
+        f"children {reads}"
     )
     print(
         f"{count} LLMDeployments ({len(wanted)} children: {len(wanted) // count} each) created in "
@@ -327,17 +336,24 @@ def main() -> None:
         "--pods-from",
         choices=("watch", "list", "both"),
         default="watch",
-        help="how the health rounds read pods and StatefulSets: the watches' cache, a LIST every round "
-        "(the code before watches), or both one after the other in this run",
+        help="how the operator reads its children: the watches' cache, the API server (the code before "
+        "watches: LISTs every round, GETs and LISTs every resync), or both one after the other in this run",
     )
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds each phase may take (1,000 deployments: 1800)"
+    )
+    parser.add_argument(
+        "--profile-operator",
+        type=Path,
+        help="write a cProfile of the operator's process (--operator process, reading from the watches) here",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("kopf").setLevel(logging.WARNING)
     for listed in {"watch": [False], "list": [True], "both": [True, False]}[args.pods_from]:
-        asyncio.run(bench(args.count, args.operator, args.steady, listed, args.timeout))
+        asyncio.run(
+            bench(args.count, args.operator, args.steady, listed, args.timeout, args.profile_operator)
+        )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime as dt
+import functools
 import itertools
 import math
 import re
@@ -115,26 +116,38 @@ def _split_selector(selector: str) -> list[str]:
     return [*terms, current] if current.strip() else terms
 
 
-def matches_selector(labels: dict[str, str], selector: str) -> bool:
-    """Kubernetes label selector semantics (equality- and set-based)."""
+@functools.lru_cache(maxsize=4096)
+def _selector_terms(selector: str) -> tuple[tuple[str, str, Any], ...]:
+    """A selector parsed once: (key, operator, operand) per term. A LIST filters every object of
+    its resource with one selector (thousands of objects at a thousand deployments)."""
+    terms = []
     for term in _split_selector(selector):
         match = _SELECTOR_TERM.match(term)
         if not match:
             raise ValueError(f"unparsable label selector term {term!r}")
-        key = match["key"]
         if match["op"] in ("=", "=="):
-            ok = labels.get(key) == match["value"]
+            terms.append((match["key"], "=", match["value"]))
         elif match["op"] == "!=":
-            ok = labels.get(key) != match["value"]
+            terms.append((match["key"], "!=", match["value"]))
         elif match["setop"]:
-            values = {value.strip() for value in match["values"].split(",")}
-            ok = (
-                (labels.get(key) in values) == (match["setop"] == "in")
-                if key in labels
-                else match["setop"] == "notin"
-            )
+            values = frozenset(value.strip() for value in match["values"].split(","))
+            terms.append((match["key"], match["setop"], values))
         else:
-            ok = (key in labels) != bool(match["neg"])
+            terms.append((match["key"], "!" if match["neg"] else "exists", None))
+    return tuple(terms)
+
+
+def matches_selector(labels: dict[str, str], selector: str) -> bool:
+    """Kubernetes label selector semantics (equality- and set-based)."""
+    for key, operator, operand in _selector_terms(selector):
+        if operator == "=":
+            ok = labels.get(key) == operand
+        elif operator == "!=":
+            ok = labels.get(key) != operand
+        elif operator in ("in", "notin"):
+            ok = (labels.get(key) in operand) == (operator == "in") if key in labels else operator == "notin"
+        else:
+            ok = (key in labels) != (operator == "!")
         if not ok:
             return False
     return True
@@ -240,11 +253,18 @@ class Emulator(kmock.KubernetesEmulator):
             return False
 
     def _stored(self, request: Any) -> dict[str, Any] | None:
+        """The stored object a request names, a copy of its own."""
+        stored = self._peek(request)
+        return None if stored is None else copy.deepcopy(stored)
+
+    def _peek(self, request: Any) -> dict[str, Any] | None:
+        """The stored object a request names, not copied: to read, never to change. (A pod with
+        its managed fields takes a millisecond or two to copy; a write used to copy it 4 times.)"""
         try:
             obj = self.objects[request.resource, request.namespace, request.name]
         except KeyError:
             return None
-        return None if obj.deleted else copy.deepcopy(obj.raw)
+        return None if obj.deleted else obj.raw
 
     def _KubernetesEmulator__get_objs(self, request: Any, strict: bool) -> list[Any]:
         # Same answer as kmock's own scan (see the module docstring), by key and by index.
@@ -254,11 +274,21 @@ class Emulator(kmock.KubernetesEmulator):
         if request.name is not None and (strict or request.namespace is not None):
             key = keys.get((request.namespace, request.name))
             return [] if key is None else [store[key]]
-        return [
+        found = [
             store[key]
             for (namespace, name), key in keys.items()
             if (namespace == request.namespace or (not strict and request.namespace is None))
             and (request.name is None or name == request.name)
+        ]
+        selector = (request.params or {}).get("labelSelector")
+        if not selector:
+            return found
+        # Filtered here, before kmock renders each object it answers with (kmock itself ignores
+        # label selectors): a LIST renders only what it returns.
+        return [
+            obj
+            for obj in found
+            if not obj.deleted and matches_selector(obj.raw.get("metadata", {}).get("labels") or {}, selector)
         ]
 
     def _get_resources(self) -> list[Any]:
@@ -470,11 +500,21 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _stale_write(self, request: Any) -> str | None:
         """A write that names a resourceVersion other than the stored one: a real server's
-        optimistic concurrency (a Lease taken over between a read and a write is refused)."""
+        optimistic concurrency (a Lease taken over between a read and a write is refused); a
+        DELETE whose precondition names another object's uid (one of the same name since)."""
+        if request.action == enums.action.DELETE and isinstance(request.data, dict):
+            uid = (request.data.get("preconditions") or {}).get("uid")
+            stored = self._peek(request)
+            if uid is None or stored is None or stored["metadata"].get("uid") == uid:
+                return None
+            return (
+                f"Precondition failed: UID in precondition: {uid}, UID in object meta: "
+                f"{stored['metadata'].get('uid')}"
+            )
         if request.action != enums.action.UPDATE or not isinstance(request.data, dict):
             return None
         given = (request.data.get("metadata") or {}).get("resourceVersion")
-        stored = self._stored(request)
+        stored = self._peek(request)
         if given is None or stored is None or str(given) == stored["metadata"].get("resourceVersion"):
             return None
         return (
@@ -510,7 +550,8 @@ class Emulator(kmock.KubernetesEmulator):
                 problems = api_rules.problems(
                     plural, request.data, creating=request.action == enums.action.CREATE
                 )
-                stored = self._stored(request) if request.action == enums.action.UPDATE else None
+                # Read only: a merge patch copies what it changes (copy-on-write).
+                stored = self._peek(request) if request.action == enums.action.UPDATE else None
                 if stored is not None and request.subresource is None:
                     problems += api_rules.update_problems(
                         plural, stored, dicts.patch_dict(stored, request.data)
@@ -526,7 +567,7 @@ class Emulator(kmock.KubernetesEmulator):
             if request.action in (enums.action.CREATE, enums.action.UPDATE):
                 self._prune(request)
                 if request.subresource is None and isinstance(request.data, dict):
-                    stored = self._stored(request) if request.action == enums.action.UPDATE else None
+                    stored = self._peek(request) if request.action == enums.action.UPDATE else None
                     result = dicts.patch_dict(stored, request.data) if stored is not None else request.data
                     refusal = self._cel_response(request, dict(result))
                     if refusal is not None:
@@ -777,13 +818,6 @@ class Emulator(kmock.KubernetesEmulator):
             "apiVersion", f"{resource.group}/{resource.version}" if resource.group else resource.version
         )
         doc.setdefault("kind", f"{kind}List")
-        selector = (request.params or {}).get("labelSelector")
-        if selector:
-            doc["items"] = [
-                item
-                for item in doc["items"]
-                if matches_selector(item.get("metadata", {}).get("labels") or {}, selector)
-            ]
         return doc
 
 
