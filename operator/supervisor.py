@@ -41,7 +41,7 @@ from berth.operator.health import AddressResolver, EngineLoad, Probe, base_url, 
 from berth.operator.kube import Conflict, Kube, KubeError, NotFound
 from berth.operator.metrics import OperatorMetrics
 from berth.operator.restarts import RestartPolicy, format_time, parse_time
-from berth.operator.watched import WATCHED_KINDS, Expectations, Seen, WatchedChildren
+from berth.operator.watched import Expectations, Seen, WatchedChildren
 
 SETTLED_PHASES = ("Ready", "Failed", "Sleeping")
 FAST_INTERVAL = 2.0
@@ -1178,7 +1178,7 @@ class Supervisor:
             return None
         kinds = [
             kind
-            for kind in WATCHED_KINDS
+            for kind in self.children.kinds
             if kind not in self._expected
             or self._expected[kind].met_by(self.children.of(kind, owner.namespace, owner.name))
         ]

@@ -36,31 +36,25 @@ def entry(body: Mapping[str, Any], namespace: str, deployment: str) -> dict[Key,
     return {(namespace, deployment): copy.deepcopy({**body, "metadata": meta})}
 
 
-# The kinds of children the watches keep (handlers.py indexes each), by kind.
-WATCHED_KINDS = (
-    "Pod",
-    "StatefulSet",
-    "ConfigMap",
-    "Service",
-    "Deployment",
-    "NetworkPolicy",
-    "PodDisruptionBudget",
-)
-
-
 class WatchedChildren:
-    """Reads a deployment's children of the watched kinds from their indexes."""
+    """Reads a deployment's children of the watched kinds (handlers.WATCHED) from their indexes."""
 
     def __init__(self, indexes: Mapping[str, Mapping[Key, Any]]) -> None:
         self._by_kind = dict(indexes)
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(self._by_kind)
 
     def of(self, kind: str, namespace: str, deployment: str) -> list[dict[str, Any]]:
         index = self._by_kind[kind]
         return list(index.get((namespace, deployment), ()))
 
-    def seen(self, namespace: str, deployment: str, kinds: Iterable[str] = WATCHED_KINDS) -> Seen:
-        """One deployment's children of `kinds` as the watches show them now."""
-        return Seen({kind: self.of(kind, namespace, deployment) for kind in kinds if kind in self._by_kind})
+    def seen(self, namespace: str, deployment: str, kinds: Iterable[str] | None = None) -> Seen:
+        """One deployment's children of `kinds` (all watched ones by default) as the watches
+        show them now."""
+        wanted = self.kinds if kinds is None else [kind for kind in kinds if kind in self._by_kind]
+        return Seen({kind: self.of(kind, namespace, deployment) for kind in wanted})
 
 
 class Seen:
