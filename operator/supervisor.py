@@ -1176,13 +1176,14 @@ class Supervisor:
         it shows this loop's own writes (they are read from the API server until then)."""
         if self.children is None:
             return None
-        kinds = [
-            kind
-            for kind in self.children.kinds
-            if kind not in self._expected
-            or self._expected[kind].met_by(self.children.of(kind, owner.namespace, owner.name))
-        ]
-        return self.children.seen(owner.namespace, owner.name, kinds)
+        shown = {kind: self.children.of(kind, owner.namespace, owner.name) for kind in self.children.kinds}
+        return Seen(
+            {
+                kind: objects
+                for kind, objects in shown.items()
+                if kind not in self._expected or self._expected[kind].met_by(objects)
+            }
+        )
 
     def _expect(self, ref: str, verb: str) -> None:
         """Remember a write of a pod or StatefulSet until the watches show it."""

@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from berth.operator.kube import has_labels
+
 Key = tuple[str, str]  # (namespace, deployment)
 
 
@@ -50,11 +52,9 @@ class WatchedChildren:
         index = self._by_kind[kind]
         return list(index.get((namespace, deployment), ()))
 
-    def seen(self, namespace: str, deployment: str, kinds: Iterable[str] | None = None) -> Seen:
-        """One deployment's children of `kinds` (all watched ones by default) as the watches
-        show them now."""
-        wanted = self.kinds if kinds is None else [kind for kind in kinds if kind in self._by_kind]
-        return Seen({kind: self.of(kind, namespace, deployment) for kind in wanted})
+    def seen(self, namespace: str, deployment: str) -> Seen:
+        """One deployment's children of every watched kind as the watches show them now."""
+        return Seen({kind: self.of(kind, namespace, deployment) for kind in self._by_kind})
 
 
 class Seen:
@@ -75,11 +75,7 @@ class Seen:
 
     def labelled(self, kind: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
         """The objects of a covered kind that carry every one of `labels`."""
-        return [
-            obj
-            for obj in self._by_kind[kind].values()
-            if all((obj["metadata"].get("labels") or {}).get(key) == value for key, value in labels.items())
-        ]
+        return [obj for obj in self._by_kind[kind].values() if has_labels(obj, labels)]
 
 
 EXPECTATION_TTL = 300.0  # seconds: a write the watches never show stops forcing LISTs after this
