@@ -23,6 +23,7 @@ goes to the reference.
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from berth.kernels import reference
 from berth.kernels.cpu import build
 from berth.kernels.metadata import AttentionMetadata
 
+logger = logging.getLogger(__name__)
 _PACKABLE = (torch.float32, torch.bfloat16)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -45,14 +47,20 @@ _SIGNATURES = {
 _RETURNS_STATUS = ("paged_attention", "linear")
 
 
-def _c_function(library: str, name: str, dtype: torch.dtype):
-    """`NAME_<dtype>` from the C library, typed; None where there is none for this dtype."""
-    if dtype not in _SUFFIX:
+def _c_function(library: str, name: str, dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
+    """`NAME_<dtype>` (over a cache of another dtype: `NAME_<dtype>_<cache dtype>_cache`) from the
+    C library, typed; None where there is none for these dtypes."""
+    if dtype not in _SUFFIX or (cache_dtype or dtype) not in _SUFFIX:
         return None
     loaded = build.load(library)
     if loaded is None:
         return None
-    function = getattr(loaded, name if name == "write_kv_cache" else f"{name}_{_SUFFIX[dtype]}")
+    symbol = name if name == "write_kv_cache" else f"{name}_{_SUFFIX[dtype]}"
+    if cache_dtype not in (None, dtype):
+        symbol = f"{symbol}_{_SUFFIX[cache_dtype]}_cache"
+    function = getattr(loaded, symbol, None)
+    if function is None:
+        return None
     if function.argtypes is None:
         function.argtypes = _SIGNATURES[name]
         function.restype = ctypes.c_int if name in _RETURNS_STATUS else None
@@ -161,8 +169,11 @@ def write_kv_cache(
 
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN takes packed weights of `dtype` on this CPU: bf16 needs AVX-512 (or
-    AVX-NE-CONVERT), which not every x86 machine has (an AVX2-only EPYC refuses to pack)."""
+    AVX-NE-CONVERT), which not every x86 machine has (an AVX2-only EPYC refuses to pack), and
+    which `BERTH_CPU_ISA=avx2` sets aside."""
     if dtype not in _PACKABLE or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and build.isa() == "avx2":
         return False
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -179,9 +190,8 @@ def gemm_path(dtype: torch.dtype) -> str | None:
     float32 where oneDNN has nothing wider than AVX2 either: there it matches oneDNN at prefill
     sizes and beats it by a fifth to a third at decode sizes (it streams each weight block once,
     in the order it multiplies it). With AVX-512, oneDNN's float32 is twice as wide."""
-    library = build.load("gemm")
-    blocked = library is not None and library.gemm_available() == 1
-    if dtype == torch.float32 and blocked and library.gemm_f32_preferred() == 1:
+    blocked = _gemm_c_available()
+    if dtype == torch.float32 and blocked and build.load("gemm").gemm_f32_preferred() == 1:
         return GEMM_C
     if onednn_packs(dtype):
         return ONEDNN
@@ -197,13 +207,22 @@ GEMM_BLOCK = 16
 def pack_linear_weight(weight: torch.Tensor, path: str | None = None) -> torch.Tensor | None:
     """`weight` [out, in] re-laid out once for the GEMM `gemm_path` picks for its dtype (or for
     `path`): oneDNN's own layout, or column blocks for gemm.c ([ceil(out / GEMM_BLOCK), in,
-    GEMM_BLOCK], transposed, zero-padded); None where neither takes it."""
+    GEMM_BLOCK], transposed, zero-padded); None where neither takes it.
+
+    oneDNN's packed layout is chosen without knowing the row counts it will meet, and its
+    linear trusts the layout it is given without checking it against the kernel it picks for
+    each row count (reorder_weight=false in torch's mkldnn_linear_pointwise). So a packed shape
+    is used only once it gave a plain linear's answer at decode and prefill row counts on this
+    CPU (`_onednn_verified`); where it did not, the weight goes to gemm.c or stays unpacked."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     path = path or gemm_path(weight.dtype)
     weight = weight.detach()
     if path == ONEDNN:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        if _onednn_verified(weight, packed):
+            return packed
+        path = GEMM_C if weight.dtype == torch.bfloat16 and _gemm_c_available() else None
     if path == GEMM_C:
         out_features, in_features = weight.shape
         blocks = -(-out_features // GEMM_BLOCK)
@@ -211,6 +230,47 @@ def pack_linear_weight(weight: torch.Tensor, path: str | None = None) -> torch.T
         padded[:out_features] = weight
         return padded.view(blocks, GEMM_BLOCK, in_features).transpose(1, 2).contiguous()
     return None
+
+
+def _gemm_c_available() -> bool:
+    library = build.load("gemm")
+    return library is not None and library.gemm_available() == 1
+
+
+# Row counts a packed oneDNN GEMM is checked at: decode batches and prefill chunks, where its
+# kernel choice (and so the layout it expects) may change.
+VERIFY_ROWS = (1, 2, 5, 16, 64, 256)
+# Relative error against the float32 product: rounding alone stays near 2^-8 for bfloat16 (and
+# far below for float32); weights read in another layout than they were written give ~1.
+VERIFY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+_verified_shapes: dict[tuple[torch.dtype, int, int], bool] = {}
+
+
+def _onednn_verified(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether oneDNN's linear on `packed` is `weight`'s linear at every VERIFY_ROWS count
+    (checked once per dtype and shape, on random rows)."""
+    key = (weight.dtype, *weight.shape)
+    if key not in _verified_shapes:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(sum(VERIFY_ROWS), weight.shape[1], generator=generator).to(weight.dtype)
+        expected = x.float() @ weight.float().T
+        worst, start = 0.0, 0
+        for rows in VERIFY_ROWS:
+            got = _onednn_linear(x[start : start + rows], packed, None, "none", [], "").float()
+            want = expected[start : start + rows]
+            worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-30)).item())
+            start += rows
+        _verified_shapes[key] = ok = worst <= VERIFY_TOLERANCE[weight.dtype]
+        if not ok:
+            logger.warning(
+                "oneDNN's packed %s GEMM for a %d x %d weight is off by %.3g (relative) on this CPU: "
+                "that weight uses %s instead",
+                str(weight.dtype).removeprefix("torch."),
+                *weight.shape,
+                worst,
+                "gemm.c" if weight.dtype == torch.bfloat16 and _gemm_c_available() else "torch's GEMM",
+            )
+    return _verified_shapes[key]
 
 
 # The overload itself: calling through `torch.ops.mkldnn._linear_pointwise` resolves it every time.
@@ -253,6 +313,10 @@ def _gemm_c_linear(
     return out.view(*x.shape[:-1], out_features)
 
 
+# `paged_attention` takes a float32 query over a bfloat16 cache as it is (dispatch.paged_attention
+# rounds the query to the cache's dtype for backends without this).
+READS_A_CACHE_OF_ANOTHER_DTYPE = True
+
 # A prompt (chunk) with more new tokens than this goes to SDPA's flash kernel, which works in
 # GEMM-sized tiles; shorter ones are cheaper token by token in the C kernel, in the same call
 # as the decodes (one parallel region per layer instead of a handful of small ops per sequence).
@@ -269,6 +333,9 @@ def paged_attention(
     """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]."""
     md = metadata
     kernel = _attention_kernel(query, key_cache)
+    if kernel is None and key_cache.dtype != query.dtype:  # the reference reads one dtype
+        attended = reference.paged_attention(query.to(key_cache.dtype), key_cache, value_cache, md, scale)
+        return attended.to(query.dtype)
     if kernel is None:
         return reference.paged_attention(query, key_cache, value_cache, md, scale)
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
@@ -326,10 +393,11 @@ def _plan(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def _attention_kernel(query: torch.Tensor, key_cache: torch.Tensor):
-    """The C function for this dtype, or None (no compiler, other dtype, a layout it cannot read)."""
-    if key_cache.dtype != query.dtype or not key_cache.is_contiguous():
+    """The C function for these dtypes (the query's and the cache's: the same, or a float32 query
+    over a bfloat16 cache), or None (no compiler, other dtypes, a layout it cannot read)."""
+    if not key_cache.is_contiguous():
         return None
-    return _c_function("paged_attention", "paged_attention", query.dtype)
+    return _c_function("paged_attention", "paged_attention", query.dtype, key_cache.dtype)
 
 
 def _attend_prefill(
@@ -352,6 +420,7 @@ def _attend_prefill(
     # 4-D, [1, heads, tokens, dim]: with 3-D tensors SDPA takes its slow math path on the CPU.
     keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).transpose(0, 1)[None]
     values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).transpose(0, 1)[None]
+    keys, values = keys.to(query.dtype), values.to(query.dtype)  # a cache of another dtype: exact
     attended = F.scaled_dot_product_attention(
         query[start:end].transpose(0, 1)[None],
         keys,

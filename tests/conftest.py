@@ -1,13 +1,9 @@
 """Fixtures shared by every test folder: tiny checkpoints, written once per session, and the
 real model (SmolLM2), converted once per machine.
 
-The tests import the installed `berth` and their own helpers as `tests.*` (tests.support, ...),
-with the repository root off sys.path: its top-level folders are no packages of their own (they
-install as subpackages of `berth`), and on sys.path `kernels/` would answer Hugging Face's
-`import kernels`, which transformers makes whenever a model loads. `python -m pytest` from the
-root puts it there: it is taken off again before anything imports transformers, and no process
-a test starts (`python -m berth ...` from the root, say) puts its working directory there
-(PYTHONSAFEPATH, Python 3.11+).
+The tests import the installed `berth` and their own helpers as `tests.*` (tests.support, ...).
+Processes they start run as a user's would, from the checkout root with it on sys.path: the
+rooms' folders step aside there (berth/_rooms.py, tests/test_checkout_root.py).
 """
 
 from __future__ import annotations
@@ -20,9 +16,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 REPOSITORY = TESTS.parent
-sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != REPOSITORY]
-os.environ["PYTHONSAFEPATH"] = "1"
-# `tests` is the tests folder itself, without the folder above it on sys.path.
+# `tests` is the tests folder itself (it has no __init__.py of its own).
 _tests_package = types.ModuleType("tests", "berth's tests and their helpers")
 _tests_package.__path__ = [str(TESTS)]
 sys.modules.setdefault("tests", _tests_package)

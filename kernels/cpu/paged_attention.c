@@ -135,10 +135,13 @@ static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
                 for (int64_t d = 0; d < head_dim; d++) acc[g][d] += weights[g][j] * TO_FLOAT(v[j * stride + d]); \
     }
 
-/* HEAD_DIM is `head_dim` (any size) or a constant; KERNELS names the block kernels for it. */
-#define DEFINE_PAGED_ATTENTION(NAME, T, TO_FLOAT, FROM_FLOAT, HEAD_DIM, KERNELS)                            \
-    static int NAME(const T *query, int64_t query_stride, const T *key_cache, const T *value_cache, \
-                    T *out, const int32_t *block_tables, int64_t block_table_stride,                 \
+/* HEAD_DIM is `head_dim` (any size) or a constant; KERNELS names the block kernels for it. The
+   query and the output are of type Q (read with Q_TO_FLOAT, written with Q_FROM_FLOAT), the cache
+   of type T: a float32 model over a bfloat16 cache reads its float32 query and writes float32
+   output, rounding nothing but the cached keys and values. */
+#define DEFINE_PAGED_ATTENTION(NAME, Q, Q_TO_FLOAT, Q_FROM_FLOAT, T, HEAD_DIM, KERNELS)                  \
+    static int NAME(const Q *query, int64_t query_stride, const T *key_cache, const T *value_cache, \
+                    Q *out, const int32_t *block_tables, int64_t block_table_stride,                 \
                     const int32_t *rows, const int32_t *seqs, const int32_t *context_lens,           \
                     int64_t num_items, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,  \
                     int64_t block_size, float scale) {                                               \
@@ -154,9 +157,9 @@ static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
                 float scores[MAX_GROUP][MAX_BLOCK], running_max[MAX_GROUP], running_sum[MAX_GROUP];  \
                 const int64_t first_head = kv_head * group, row = rows[item];                        \
                 for (int64_t g = 0; g < group; g++) {                                                \
-                    const T *q_row = query + row * query_stride + (first_head + g) * (HEAD_DIM);        \
+                    const Q *q_row = query + row * query_stride + (first_head + g) * (HEAD_DIM);        \
                     for (int64_t d = 0; d < (HEAD_DIM); d++) {                                         \
-                        q[g][d] = TO_FLOAT(q_row[d]) * scale;                                        \
+                        q[g][d] = Q_TO_FLOAT(q_row[d]) * scale;                                      \
                         acc[g][d] = 0.0f;                                                            \
                     }                                                                                \
                     running_max[g] = -3.0e38f;                                                       \
@@ -190,28 +193,32 @@ static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
                                      (const float(*)[MAX_BLOCK])scores, head_dim);                     \
                 }                                                                                    \
                 for (int64_t g = 0; g < group; g++) {                                                \
-                    T *out_row = out + (row * num_q_heads + first_head + g) * (HEAD_DIM);              \
+                    Q *out_row = out + (row * num_q_heads + first_head + g) * (HEAD_DIM);              \
                     const float inverse = running_sum[g] > 0.0f ? 1.0f / running_sum[g] : 0.0f;      \
-                    for (int64_t d = 0; d < (HEAD_DIM); d++) out_row[d] = FROM_FLOAT(acc[g][d] * inverse); \
+                    for (int64_t d = 0; d < (HEAD_DIM); d++) out_row[d] = Q_FROM_FLOAT(acc[g][d] * inverse); \
                 }                                                                                    \
             }                                                                                        \
         }                                                                                            \
         return 0;                                                                                    \
     }
 
-#define DEFINE_DISPATCH(NAME, T, TO_FLOAT, FROM_FLOAT, LOAD8)                                        \
-    DEFINE_BLOCK_KERNELS_ANY(NAME##_any, T, TO_FLOAT)                                                \
-    DEFINE_BLOCK_KERNELS(NAME##_64, T, LOAD8, 8)                                                     \
-    DEFINE_BLOCK_KERNELS(NAME##_128, T, LOAD8, 16)                                                   \
-    DEFINE_PAGED_ATTENTION(NAME##_any, T, TO_FLOAT, FROM_FLOAT, head_dim, NAME##_any)                 \
-    DEFINE_PAGED_ATTENTION(NAME##_64, T, TO_FLOAT, FROM_FLOAT, 64, NAME##_64)                        \
-    DEFINE_PAGED_ATTENTION(NAME##_128, T, TO_FLOAT, FROM_FLOAT, 128, NAME##_128)                     \
-    int NAME(const T *query, int64_t query_stride, const T *key_cache, const T *value_cache, T *out, \
+/* The block kernels of a cache dtype, for head_dim 64, 128 and any other. */
+#define DEFINE_CACHE_KERNELS(CACHE, T, TO_FLOAT, LOAD8)                                              \
+    DEFINE_BLOCK_KERNELS_ANY(CACHE##_any, T, TO_FLOAT)                                               \
+    DEFINE_BLOCK_KERNELS(CACHE##_64, T, LOAD8, 8)                                                    \
+    DEFINE_BLOCK_KERNELS(CACHE##_128, T, LOAD8, 16)
+
+/* NAME: queries and outputs of type Q over a cache of type T whose block kernels are CACHE's. */
+#define DEFINE_DISPATCH(NAME, Q, Q_TO_FLOAT, Q_FROM_FLOAT, T, CACHE)                                  \
+    DEFINE_PAGED_ATTENTION(NAME##_any, Q, Q_TO_FLOAT, Q_FROM_FLOAT, T, head_dim, CACHE##_any)         \
+    DEFINE_PAGED_ATTENTION(NAME##_64, Q, Q_TO_FLOAT, Q_FROM_FLOAT, T, 64, CACHE##_64)                \
+    DEFINE_PAGED_ATTENTION(NAME##_128, Q, Q_TO_FLOAT, Q_FROM_FLOAT, T, 128, CACHE##_128)             \
+    int NAME(const Q *query, int64_t query_stride, const T *key_cache, const T *value_cache, Q *out, \
              const int32_t *block_tables, int64_t block_table_stride, const int32_t *rows,           \
              const int32_t *seqs, const int32_t *context_lens, int64_t num_items,                    \
              int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,        \
              float scale) {                                                                          \
-        int (*kernel)(const T *, int64_t, const T *, const T *, T *, const int32_t *, int64_t,       \
+        int (*kernel)(const Q *, int64_t, const T *, const T *, Q *, const int32_t *, int64_t,       \
                       const int32_t *, const int32_t *, const int32_t *, int64_t, int64_t, int64_t,  \
                       int64_t, int64_t, float) =                                                     \
             head_dim == 64 ? NAME##_64 : head_dim == 128 ? NAME##_128 : NAME##_any;                  \
@@ -220,5 +227,8 @@ static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
                       num_kv_heads, head_dim, block_size, scale);                                    \
     }
 
-DEFINE_DISPATCH(paged_attention_f32, float, f32_to_float, float_to_f32, load8_f32)
-DEFINE_DISPATCH(paged_attention_bf16, uint16_t, bf16_to_float, float_to_bf16, load8_bf16)
+DEFINE_CACHE_KERNELS(f32_cache, float, f32_to_float, load8_f32)
+DEFINE_CACHE_KERNELS(bf16_cache, uint16_t, bf16_to_float, load8_bf16)
+DEFINE_DISPATCH(paged_attention_f32, float, f32_to_float, float_to_f32, float, f32_cache)
+DEFINE_DISPATCH(paged_attention_bf16, uint16_t, bf16_to_float, float_to_bf16, uint16_t, bf16_cache)
+DEFINE_DISPATCH(paged_attention_f32_bf16_cache, float, f32_to_float, float_to_f32, uint16_t, bf16_cache)

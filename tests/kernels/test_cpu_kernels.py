@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from berth import kernels
 from berth.kernels import cpu_ops, reference
 from berth.kernels.cpu import build
 from berth.kernels.rope import rope_cos_sin_cache
@@ -60,6 +66,21 @@ def test_paged_attention_matches_the_reference(
     actual = cpu_ops.paged_attention(batch.query, *args)
     assert not actual.isnan().any(), "read a slot no sequence owns"
     close(actual, expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seqs", [[(0, 5), (40, 1)], [(0, 600), (3, 1)]], ids=["short", "long"])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_a_float32_query_over_a_bfloat16_cache_rounds_only_the_cache(seqs, head_dim):
+    """A float32 model over a bfloat16 KV cache: the query is read and the output written in
+    float32 (the C kernel, and SDPA for a long prompt), so the result is float32 attention over
+    the cached keys and values as they were rounded, not a bfloat16 attention."""
+    batch = random_paged_batch(seqs, 1, 6, 2, head_dim, 16, seed=5)
+    keys, values = batch.key_cache.bfloat16(), batch.value_cache.bfloat16()
+    scale = head_dim**-0.5
+    expected = reference.paged_attention(batch.query, keys.float(), values.float(), batch.metadata, scale)
+    actual = kernels.paged_attention(batch.query, keys, values, batch.metadata, scale)
+    assert actual.dtype == torch.float32
+    close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_attention_reads_queries_through_a_row_stride():
@@ -172,9 +193,12 @@ def test_each_dtype_goes_to_the_widest_gemm_this_cpu_has():
     library = build.load("gemm")
     assert library is not None and library.gemm_available() == int(GEMM_C_HERE)
     # float32: oneDNN where it has AVX-512, gemm.c on AVX2 alone; bfloat16: oneDNN where it has
-    # bfloat16 instructions, else gemm.c.
-    f32 = cpu_ops.GEMM_C if GEMM_C_HERE and "avx512f" not in flags else cpu_ops.ONEDNN
+    # bfloat16 instructions, else gemm.c. BERTH_CPU_ISA=avx2 plays a CPU without AVX-512.
+    avx512 = "avx512f" in flags and build.isa() == "native"
+    f32 = cpu_ops.GEMM_C if GEMM_C_HERE and not avx512 else cpu_ops.ONEDNN
     bf16 = cpu_ops.ONEDNN if cpu_ops.onednn_packs(torch.bfloat16) else cpu_ops.GEMM_C if GEMM_C_HERE else None
+    if not avx512:
+        assert bf16 != cpu_ops.ONEDNN
     assert (cpu_ops.gemm_path(torch.float32), cpu_ops.gemm_path(torch.bfloat16)) == (f32, bf16)
     assert cpu_ops.gemm_path(torch.float16) is None
 
@@ -252,3 +276,56 @@ def test_a_build_is_cached_and_reused(monkeypatch, tmp_path):
         assert sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
     finally:
         build.load.cache_clear()
+
+
+@pytest.mark.skipif(not cpu_ops.onednn_packs(torch.float32), reason="oneDNN packs nothing here")
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if cpu_ops.onednn_packs(d)])
+def test_a_packed_onednn_gemm_that_gives_another_answer_is_not_used(monkeypatch, caplog, dtype):
+    """oneDNN trusts the packed layout at every row count; where it reads it otherwise than it
+    was written (a kernel chosen by row count expecting another layout), the weight must not be
+    used packed. Played here by a linear whose answer is off at one row count."""
+    honest = cpu_ops._onednn_linear
+
+    def off_at_prefill(x, packed, bias, *args):
+        out = honest(x, packed, bias, *args)
+        return out.flip(-1) if x.shape[0] == 64 else out
+
+    monkeypatch.setattr(cpu_ops, "_onednn_linear", off_at_prefill)
+    monkeypatch.setattr(cpu_ops, "_verified_shapes", {})
+    weight = torch.randn(40, 24, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with caplog.at_level("WARNING", logger=cpu_ops.__name__):
+        packed = cpu_ops.pack_linear_weight(weight, cpu_ops.ONEDNN)
+    fallback_is_gemm_c = dtype == torch.bfloat16 and GEMM_C_HERE
+    assert (packed is not None and packed.dim() == 3) if fallback_is_gemm_c else packed is None
+    assert "40 x 24 weight is off by" in caplog.text
+    x = torch.randn(3, 24).to(dtype)
+    atol = 1e-4 if dtype == torch.float32 else 0.1
+    close(cpu_ops.linear(x, weight, None, packed), F.linear(x, weight), atol=atol, rtol=1e-2)
+
+
+@pytest.mark.skipif(not cpu_ops.onednn_packs(torch.float32), reason="oneDNN packs nothing here")
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if cpu_ops.onednn_packs(d)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (3072, 576)])
+def test_oneDNN_packed_shapes_of_a_real_model_pass_their_check_here(dtype, out_features, in_features):
+    """On every CPU the suite has met, oneDNN's packed GEMM is right at every row count checked:
+    a failure here names a CPU where berth runs those weights on another GEMM (slower)."""
+    weight = torch.randn(out_features, in_features).to(dtype)
+    assert cpu_ops._onednn_verified(weight, torch.ops.mkldnn._reorder_linear_weight(weight, None))
+
+
+@pytest.mark.skipif(not GEMM_C_HERE or build.isa() != "native", reason="needs AVX2, not forced to it")
+def test_the_avx2_path_passes_these_tests_too_on_a_cpu_with_more():
+    """`BERTH_CPU_ISA=avx2`: every kernel built for AVX2 + FMA and gemm.c for both dtypes, as on
+    an AVX2-only CPU, through this whole file in a process of its own (where
+    test_each_dtype_goes_to_the_widest_gemm_this_cpu_has sees gemm.c take both dtypes)."""
+    env = {**os.environ, "BERTH_CPU_ISA": "avx2"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_path"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout

@@ -42,7 +42,7 @@ from tests.support.engine_endpoint import EngineFleet, free_port
 from tests.support.rbac import Authorizer
 from tests.support.recording_proxy import RecordingResolver, recording
 
-# A script, not `-m`: the tests run their processes with PYTHONSAFEPATH (tests/conftest.py).
+# A script, not `-m`: `tests` is a package of the test session only (tests/conftest.py).
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "operator_process.py"
 LEASES = "coordination.k8s.io/v1/leases"
 LEASE_NAMESPACE = "berth-system"
