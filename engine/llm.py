@@ -188,14 +188,6 @@ class LLM:
                 ) from error
             if tokenizer_files(tokenizer) == tokenizer_files(self.tokenizer):
                 tokenizer = None  # the same tokenizer: nothing to swap
-            elif getattr(self._executor, "num_postprocess_workers", 0):
-                # Each postprocess worker detokenizes with the tokenizer it started with.
-                raise TransitionError(
-                    f"cannot wake up with {model}: its tokenizer is not the one the postprocess "
-                    "workers detokenize with; restart the server to serve it",
-                    "invalid_model",
-                    self.admission_state,
-                )
         if tokenizer is None or self.admission_state != "parked":
             result = self._executor.wake_up(model)  # nothing to swap, or refused: not parked
         else:
@@ -205,9 +197,11 @@ class LLM:
 
     def _wake_up_with_tokenizer(self, model: str, tokenizer) -> TransitionResult:
         """The new revision's tokenizer serves before the engine admits again: it is swapped in
-        while the engine is parked (every attached frontend is sent to attach again for it), so
-        no request is ever tokenized or detokenized with the other revision's. A wakeup the
-        engine refuses (it stays parked, with its own weights) swaps the old one back."""
+        while the engine is parked (every attached frontend is sent to attach again for it, and
+        the wakeup takes it to the postprocess workers, if any, ahead of every response of the
+        requests it admits), so no request is ever tokenized or detokenized with the other
+        revision's. A wakeup the engine refuses (it stays parked, with its own weights) swaps
+        the old one back."""
         old = self._executor.tokenizer
         self._executor.replace_tokenizer(tokenizer)
         try:

@@ -10,7 +10,7 @@ import pickle
 from dataclasses import dataclass
 
 from berth.engine.config import EngineConfig
-from berth.engine.engine_io import EngineLimits, EngineStats, Response
+from berth.engine.engine_io import EngineLimits, EngineStats, Response, Wakeup
 from berth.engine.executor.postprocess import SequenceUpdate
 from berth.engine.sampling_params import SamplingParams
 
@@ -63,6 +63,16 @@ class WorkerSetup:
 # the Shutdown sentinel, on one queue in one order, so an abort can never overtake its request.
 
 
+@dataclass(frozen=True, slots=True)
+class WakeupWithTokenizer:
+    """A wakeup after which the postprocess workers detokenize with the tokenizer saved in
+    `tokenizer_dir` (on their machine, the proxy's): the one the proxy swapped in for the
+    revision the wakeup loads. Rank 0 passes it on only if the wakeup succeeds."""
+
+    wakeup: Wakeup
+    tokenizer_dir: str
+
+
 # ---- result queue (rank 0 -> proxy) -----------------------------------------------------------
 
 
@@ -101,6 +111,15 @@ class LaneStep:
     responses: list[Response]
     stats: EngineStats
     new_requests: dict[int, tuple[SamplingParams, bool]]  # request_id -> (params, streaming)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneTokenizer:
+    """Rank 0 to every postprocess worker, ahead of the result of a wakeup that swapped the
+    model's tokenizer: detokenize with the one saved in `tokenizer_dir` from now on. Every
+    response of a request admitted after the wakeup travels behind it on the same lane."""
+
+    tokenizer_dir: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ lane, the raw responses of the requests pinned to it (request_id % N, so a reque
 incremental detokenizer lives in one place) with each request's parameters once; it runs
 `postprocess.py` on them, exactly what the proxy would have, and sends the `SequenceUpdate`s
 on to the proxy's result queue. A request's responses travel one lane in order, so its updates
-arrive in order.
+arrive in order. A wakeup that swaps in a revision with another tokenizer sends the new one
+down every lane first (`LaneTokenizer`): requests from then on detokenize with it, those
+already held (none: the sleep before the wakeup drained or aborted them) with the one they began with.
 
 A postprocess worker that dies takes the requests pinned to it down with it: the proxy treats
 that as the engine's death (every pending request fails at once with the cause), never as a
@@ -36,6 +38,7 @@ from berth.engine.executor.errors import WorkerDiedError, how_it_exited
 from berth.engine.executor.messages import (
     InitFailed,
     LaneStep,
+    LaneTokenizer,
     PostprocessReady,
     StepResults,
     WorkerClosed,
@@ -102,6 +105,12 @@ def _serve(tokenizer, inputs: ipc.SignedSocket, results: ipc.SignedSocket) -> in
                     if request.engine_done:
                         del requests[response.request_id]
                 results.send(StepResults(updates, message.stats))
+            elif isinstance(message, LaneTokenizer):
+                # Before the wakeup's result is passed on, so the caller hears of the wakeup only
+                # once every worker has it. One that cannot load is fatal, with its cause.
+                from berth.engine.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(message.tokenizer_dir)
             elif isinstance(message, TransitionResult):
                 results.send(message)  # a sleep or wakeup, after the updates the engine sent first
             elif isinstance(message, (WorkerClosed, WorkerFatal)):

@@ -18,8 +18,10 @@ With `num_postprocess_workers` N > 0 the proxy also starts N postprocess worker 
 the model: the worker sends each one its share of the responses (request_id % N), and they
 send the results on, detokenized, to the result queue.
 A sleep's or wakeup's result goes down every lane and is delivered with its last copy, behind
-every response the engine sent before it. The death of any of them ends the world as the
-worker's own death does.
+every response the engine sent before it. A wakeup that follows a tokenizer swap
+(`replace_tokenizer`, a revision with another tokenizer) takes the new one to them: rank 0
+sends it down every lane ahead of the wakeup's result if the wakeup succeeds. The death of
+any of them ends the world as the worker's own death does.
 
 With tensor parallelism the worker is an MPI world (`world.py`): the process the proxy starts
 and watches is mpiexec, rank 0 is the only rank that talks to the proxy, and it names every
@@ -52,6 +54,7 @@ from berth.engine.engine_io import (
     ProgressSink,
     Shutdown,
     TransitionResult,
+    Wakeup,
 )
 from berth.engine.executor import ipc
 from berth.engine.executor.errors import (
@@ -66,6 +69,7 @@ from berth.engine.executor.messages import (
     Ack,
     InitFailed,
     StepResults,
+    WakeupWithTokenizer,
     WorkerClosed,
     WorkerFatal,
     WorkerIdentity,
@@ -142,6 +146,10 @@ class ProxyExecutor(GenerationExecutor):
         # Every lane ends with the worker's last word: the world is done once each has said it.
         self._lanes_open = max(1, num_postprocess_workers)
         self._transition_copies: dict[int, int] = {}  # transition id -> lanes that passed it on
+        # The tokenizer the postprocess workers detokenize with, and where it is saved; and the
+        # wakeups under way that take them another: transition id -> (tokenizer, its folder).
+        self._lanes_tokenizer: tuple[object, Path] | None = None
+        self._lane_tokenizer_swaps: dict[int, tuple[object, Path]] = {}
         self._init = ipc.open_socket(
             self._context, zmq.ROUTER, addresses["init_status"], self.key, ipc.INIT_STATUS, bind=True
         )
@@ -180,12 +188,10 @@ class ProxyExecutor(GenerationExecutor):
     def _spawn_postprocess_workers(self) -> None:
         """Each gets the proxy's own tokenizer (as saved by `save_pretrained`: the very one the
         proxy would detokenize with) and a lane to listen on."""
-        folder = self._ipc_dir
-        if folder is None:
-            folder = Path(tempfile.mkdtemp(prefix=ipc.IPC_FOLDER_PREFIX))
-            self._scratch_dirs.append(folder)
+        folder = self._scratch_folder()
         tokenizer_dir = folder / "tokenizer"
         self.tokenizer.save_pretrained(str(tokenizer_dir))
+        self._lanes_tokenizer = (self.tokenizer, tokenizer_dir)
         if self._transport == "ipc":
             lane_address = lambda i: f"ipc://{folder / f'lane-{i}'}"  # noqa: E731
         else:
@@ -197,6 +203,14 @@ class ProxyExecutor(GenerationExecutor):
             lane_address=lane_address,
             key=self.key,
         )
+
+    def _scratch_folder(self) -> Path:
+        """A folder of this process's, removed with the sockets."""
+        if self._ipc_dir is not None:
+            return self._ipc_dir
+        if not self._scratch_dirs:
+            self._scratch_dirs.append(Path(tempfile.mkdtemp(prefix=ipc.IPC_FOLDER_PREFIX)))
+        return self._scratch_dirs[0]
 
     def _await_postprocess_workers(self) -> list[str]:
         """Their lanes, once each listens; from then on, the death of one is the world's."""
@@ -336,8 +350,27 @@ class ProxyExecutor(GenerationExecutor):
 
     def _send_control(self, control: Control) -> None:
         # The worker does the compare-and-set; a conflict comes back as a refused result.
-        if not self._send(control):
+        message = control
+        if isinstance(control, Wakeup) and self._lanes_tokenizer is not None:
+            tokenizer = self.tokenizer  # swapped in while parked, before this wakeup (see LLM)
+            if tokenizer is not self._lanes_tokenizer[0]:
+                folder = self._scratch_folder() / f"tokenizer-{control.transition_id}"
+                tokenizer.save_pretrained(str(folder))
+                # Registered before it is sent, like the transition itself.
+                self._lane_tokenizer_swaps[control.transition_id] = (tokenizer, folder)
+                message = WakeupWithTokenizer(control, str(folder))
+        if not self._send(message):
             raise EngineDeadError("the executor has been shut down")
+
+    def _lane_tokenizer_swapped(self, result: TransitionResult) -> None:
+        """After a wakeup that took the postprocess workers another tokenizer: the one they
+        detokenize with now (they had it before its result came), and the other's folder goes."""
+        swap = self._lane_tokenizer_swaps.pop(result.transition_id, None)
+        if swap is None:
+            return
+        if result.error is None:
+            swap, self._lanes_tokenizer = self._lanes_tokenizer, swap
+        shutil.rmtree(swap[1], ignore_errors=True)
 
     # ---- receiving ---------------------------------------------------------------------------
 
@@ -381,6 +414,7 @@ class ProxyExecutor(GenerationExecutor):
             if isinstance(m, StepResults):
                 items.append((m.responses, m.stats))
             elif isinstance(m, TransitionResult) and self._transition_complete(m):
+                self._lane_tokenizer_swapped(m)
                 items.append(m)
         self._deliver(items)
         more = True

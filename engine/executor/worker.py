@@ -55,7 +55,9 @@ from berth.engine.executor import ipc
 from berth.engine.executor.messages import (
     InitFailed,
     LaneStep,
+    LaneTokenizer,
     StepResults,
+    WakeupWithTokenizer,
     WorkerClosed,
     WorkerFatal,
     WorkerIdentity,
@@ -294,13 +296,15 @@ class Worker:
         self._postprocessed = postprocessed
         # Parameters of requests whose first response has not gone out yet (postprocessed only).
         self._unsent_params: dict[int, tuple] = {}
+        # Wakeups that swap the postprocess workers' tokenizer: transition id -> its directory.
+        self._lane_tokenizers: dict[int, str] = {}
         self._send_lock = threading.Lock()  # the engine thread and the request loop both send
         self._engine_done = threading.Event()
         self._fatal = False
 
     def serve(self) -> int:
         self.engine.start(
-            on_responses=self._send_step, on_fatal=self._on_fatal, on_transition=self._send_to_every_lane
+            on_responses=self._send_step, on_fatal=self._on_fatal, on_transition=self._transition_done
         )
         try:
             self._request_loop()
@@ -326,6 +330,10 @@ class Worker:
                 queue.enqueue_abort(message)
             elif isinstance(message, (Sleep, Wakeup)):
                 self._control(message)
+            elif isinstance(message, WakeupWithTokenizer):
+                if self._postprocessed:
+                    self._lane_tokenizers[message.wakeup.transition_id] = message.tokenizer_dir
+                self._control(message.wakeup)
             elif isinstance(message, Shutdown):
                 # The loop aborts what is in flight (each client hears back), then exits.
                 queue.enqueue_shutdown()
@@ -350,9 +358,19 @@ class Worker:
             state = self.engine.request_queue.admission_state.value
             if isinstance(error, ValueError):
                 error = TransitionError(str(error), "invalid_request", state)
-            self._send_to_every_lane(
-                TransitionResult(control.transition_id, control.kind, state, error=error)
-            )
+            self._transition_done(TransitionResult(control.transition_id, control.kind, state, error=error))
+
+    def _transition_done(self, result: TransitionResult) -> None:
+        """A transition's result goes down every lane. A wakeup that swapped the model's
+        tokenizer sends the new one ahead of it, only if it succeeded: the engine admits again
+        from then on, and every response of a request it admits travels behind it, so no
+        request is detokenized with the other revision's tokenizer; one that failed leaves the
+        postprocess workers theirs, as the proxy keeps its own."""
+        tokenizer_dir = self._lane_tokenizers.pop(result.transition_id, None)
+        if tokenizer_dir is not None and result.error is None:
+            self._send_to_every_lane(LaneTokenizer(tokenizer_dir), result)
+        else:
+            self._send_to_every_lane(result)
 
     def _send_step(self, responses: list[Response], stats) -> None:
         with self._send_lock:
@@ -372,13 +390,14 @@ class Worker:
                         new[response.request_id] = params
                 self._lanes[index].send(LaneStep(share, stats, new))
 
-    def _send_to_every_lane(self, message: object) -> None:
+    def _send_to_every_lane(self, *messages: object) -> None:
         # Every lane ends with the worker's last word, and carries each transition's result, so
         # each postprocess worker passes it on after the results it holds: the proxy knows the
         # world is done (or a transition is) once all have.
         with self._send_lock:
             for lane in self._lanes:
-                lane.send(message)
+                for message in messages:
+                    lane.send(message)
 
     def _on_fatal(self, error: BaseException) -> None:
         self._fatal = True

@@ -5,7 +5,6 @@ the death of one is the engine's death, told to every pending request at once.""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 
 import pytest
@@ -20,6 +19,7 @@ from tests.support.engine_processes import (
     wait_until,
     worker_pids,
 )
+from tests.support.model_revisions import reversed_vocabulary
 
 ENGINE_OPTIONS = {"max_batch_size": 16, "kv_cache_blocks": 256, "kv_block_size": 16}
 PROMPTS = ["Once upon a time there", "Paris is the capital of"]
@@ -123,9 +123,7 @@ def test_the_worker_killed_takes_its_postprocess_workers_with_it(tiny_model):
         call_with_timeout(llm.shutdown, 15)
 
 
-def test_sleep_and_wakeup_pass_through_postprocess_workers_after_the_responses_before_them(
-    tiny_model, tmp_path
-):
+def test_sleep_and_wakeup_pass_through_postprocess_workers_after_the_responses_before_them(tiny_model):
     """A transition's result goes down every lane behind the responses the engine sent first: a
     drain's sleep returns only once every request it drained, on either worker, has ended."""
     with LLM(tiny_model, num_postprocess_workers=2, **ENGINE_OPTIONS) as llm:
@@ -143,13 +141,60 @@ def test_sleep_and_wakeup_pass_through_postprocess_workers_after_the_responses_b
         woken = call_with_timeout(llm.wake_up, 120)
         assert woken.admission == "running"
         assert llm.generate(PROMPTS[0], params)[0].outputs[0].text == before
-        # A revision with another tokenizer is refused: the workers detokenize with theirs.
-        retemplated = shutil.copytree(tiny_model, tmp_path / "retemplated")
-        with open(retemplated / "chat_template.jinja", "a") as template:
-            template.write("{# another revision #}")
+
+
+# Long enough that the drained requests still run when the sleep starts.
+DRAINED = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+SWAPPED = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+SWAP_PROMPTS = ("rivers and stars", "bread in the rain", "owls over glass", "maps of engines")
+
+
+def texts_of(model, params: SamplingParams) -> dict[str, str]:
+    """What `model` answers to each of SWAP_PROMPTS, detokenized in the caller's process."""
+    with LLM(model, executor="in-process", **ENGINE_OPTIONS) as reference:
+        outputs = reference.generate(list(SWAP_PROMPTS), params)
+    return {prompt: output.outputs[0].text for prompt, output in zip(SWAP_PROMPTS, outputs)}
+
+
+def test_a_wakeup_with_another_tokenizer_swaps_it_in_every_postprocess_worker(tiny_model, tmp_path):
+    """A revision with another vocabulary (its ids read as other words to the first one's
+    tokenizer): the requests the sleep drains end with the tokenizer they began with; after the
+    wakeup every output, whichever worker carries it, is the revision's own (its tokenizer in,
+    its weights, its tokenizer out); a wakeup the engine refuses leaves every worker the
+    tokenizer it had; and a swap back serves the first revision's texts again."""
+    revision = reversed_vocabulary(tiny_model, 7, tmp_path / "revision")
+    misfit = reversed_vocabulary(tiny_model, 7, tmp_path / "misfit", hidden_size=96)
+    texts = {model: texts_of(model, SWAPPED) for model in (tiny_model, revision)}
+    assert all(texts[revision][p] != texts[tiny_model][p] for p in SWAP_PROMPTS)  # they tell apart
+    drained_texts = texts_of(tiny_model, DRAINED)
+
+    def served() -> dict[str, str]:
+        outputs = call_with_timeout(lambda: llm.generate(list(SWAP_PROMPTS), SWAPPED), 60)
+        return {prompt: output.outputs[0].text for prompt, output in zip(SWAP_PROMPTS, outputs)}
+
+    with LLM(tiny_model, num_postprocess_workers=2, **ENGINE_OPTIONS) as llm:
+        workers = worker_pids(module=POSTPROCESS_MODULE)
+        assert len(workers) == 2
+        assert served() == texts[tiny_model]
+        drained = [llm.generate_async(p, DRAINED, streaming=True) for p in SWAP_PROMPTS]
+        call_with_timeout(lambda: next(iter(drained[0])), 30)  # the engine is running them
+        slept = call_with_timeout(lambda: llm.sleep(2, "drain"), 120)
+        assert slept.num_aborted == 0
+        assert {p: r.result(timeout=0).outputs[0].text for p, r in zip(SWAP_PROMPTS, drained)} == (
+            drained_texts
+        )
+        assert call_with_timeout(lambda: llm.wake_up(revision), 120).admission == "running"
+        assert served() == texts[revision]
+        # Refused (other shapes): the engine stays parked with its weights, every worker with its
+        # tokenizer, and the plain wakeup after it serves the revision as before.
         call_with_timeout(lambda: llm.sleep(2), 120)
-        with pytest.raises(TransitionError, match="postprocess workers") as refused:
-            llm.wake_up(retemplated)
+        with pytest.raises(TransitionError) as refused:
+            call_with_timeout(lambda: llm.wake_up(misfit), 120)
         assert refused.value.code == "invalid_model" and llm.admission_state == "parked"
         assert call_with_timeout(llm.wake_up, 120).admission == "running"
-        assert llm.generate(PROMPTS[0], params)[0].outputs[0].text == before
+        assert served() == texts[revision]
+        call_with_timeout(lambda: llm.sleep(2), 120)
+        assert call_with_timeout(lambda: llm.wake_up(tiny_model), 120).admission == "running"
+        assert served() == texts[tiny_model]
+        # The same processes all along: swapped in place, not restarted.
+        assert worker_pids(module=POSTPROCESS_MODULE) == workers

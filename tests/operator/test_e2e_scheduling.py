@@ -16,7 +16,8 @@ The cluster: a CPU node (launchers land there first) and three nodes of 2 GPUs i
 - a drain of the CPU node, which holds the pods of two worlds: one world at a time, each parked
   before its pods are evicted, while the other serves.
 - the CPU node lost under a launcher: its processes die, its pod stays Terminating until the
-  operator deletes it with grace period 0, and the world is back on a node that answers.
+  operator deletes it with grace period 0, and the world is back on a node that answers; each
+  step after the one before it, in the order the API server saw them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tests.support.image import Image
 from tests.support.kubelet import Kubelet
 from tests.support.scheduler import Scheduler, node
 from tests.support.steady_client import steady_client
+from tests.support.watch_log import Change, watching
 
 NODES = [node("cpu-0"), *(node(f"gpu-{n}", gpus=2, labels={"rack": f"r{n % 2}"}) for n in range(3))]
 START_TIMEOUT = 120.0
@@ -234,32 +236,113 @@ async def test_a_drain_moves_one_parked_world_at_a_time_while_the_other_serves(
         assert await serves(duo)
 
 
+def ready_condition(obj: dict[str, Any]) -> bool:
+    """A node's or a pod's Ready condition is True."""
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def world_status(change: Change) -> dict[str, Any]:
+    return next(iter((change.object.get("status") or {}).get("worlds") or []), {})
+
+
+# How long the operator may take to see a lost launcher: failureThreshold unanswered polls, each
+# up to an interval plus its timeout (the bound operator/README.md's "Scheduling" states), and slack.
+DETECTION_TIMEOUT = (
+    HEALTH.get("failureThreshold", 3) * (HEALTH["intervalSeconds"] + HEALTH["timeoutSeconds"]) + 30
+)
+
+
 async def test_a_launcher_on_a_lost_node_is_force_deleted_and_its_world_comes_back(
     cluster: Cluster, scheduler: Scheduler, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
+    """The recovery, step by step, in the order the API server saw it (its resource versions),
+    never against a clock: the node NotReady and the launcher marked not Ready (the node
+    controller's part); the world's restart written (reason Unreachable), then the launcher
+    deleted, then deleted with grace period 0 (its node confirms nothing); a new launcher
+    created, bound to a node that answers; the world Ready again."""
     async with e2e.deployed(cluster, kubelet, manifest(models, "solo", 1, 1), tmp_path, scheduler) as solo:
         await serves(solo)
         assert solo.nodes() == {"solo-w0-launcher": "cpu-0", "solo-w0-0": "gpu-0"}
-        launcher = solo.pod("solo-w0-launcher")
-        old = launcher["metadata"]["uid"]
+        old = solo.pod("solo-w0-launcher")["metadata"]["uid"]
         processes = kubelet.processes("solo-w0-launcher")
-        started = time.monotonic()
-        await scheduler.lose("cpu-0")  # the node and its processes are gone; the API says Running
-        await wait_for(lambda: not any(psutil.pid_exists(pid) for pid in processes), 10, "its processes gone")
-        assert old in kubelet.lost  # never reported on, never confirmed deleted again
+        namespace = cluster.namespace
+        watched = (
+            "/api/v1/nodes",
+            f"/api/v1/namespaces/{namespace}/pods",
+            f"/apis/berth.dev/v1alpha1/namespaces/{namespace}/llmdeployments",
+        )
 
-        def back() -> bool:
-            pod = solo.pod("solo-w0-launcher")
-            return pod.get("metadata", {}).get("uid") not in (None, old) and ready(solo)
+        def launcher(change: Change) -> bool:
+            return change.resource == "pods" and change.name == "solo-w0-launcher"
 
-        await solo.wait(back, 30 + START_TIMEOUT, "the world back on a node that answers")
-        seconds = time.monotonic() - started
-        print(f"world back {seconds:.1f}s after its launcher's node was lost")
-        # failureThreshold unanswered polls (1 s apart), the forced deletion, then an engine start.
-        assert seconds < 60
-        assert solo.nodes()["solo-w0-launcher"] == "gpu-0"
+        def llmd(change: Change) -> bool:
+            return change.resource == "llmdeployments" and change.name == "solo"
+
+        async with watching(cluster, *watched) as log:
+            await scheduler.lose("cpu-0")  # the node and its processes are gone; the API says Running
+            await wait_for(
+                lambda: not any(psutil.pid_exists(pid) for pid in processes), 10, "its processes gone"
+            )
+            assert old in kubelet.lost  # never reported on, never confirmed deleted again
+            lost = await log.wait_first(
+                lambda c: c.resource == "nodes" and c.name == "cpu-0" and not ready_condition(c.object),
+                10,
+                "cpu-0 NotReady",
+            )
+            marked = await log.wait_first(
+                lambda c: launcher(c) and c.uid == old and not ready_condition(c.object),
+                10,
+                "launcher not Ready",
+            )
+            restarted = await log.wait_first(
+                lambda c: llmd(c) and world_status(c).get("restarts", 0) >= 1,
+                DETECTION_TIMEOUT,
+                "the world's restart in its status",
+            )
+            deleting = await log.wait_first(
+                lambda c: launcher(c) and c.uid == old and c.object["metadata"].get("deletionTimestamp"),
+                DETECTION_TIMEOUT,
+                "the old launcher deleted",
+            )
+            gone = await log.wait_first(
+                lambda c: launcher(c) and c.uid == old and c.type == "DELETED", 30, "the old launcher gone"
+            )
+            created = await log.wait_first(
+                lambda c: launcher(c) and c.uid != old and c.type == "ADDED", 60, "a new launcher", after=gone
+            )
+            bound = await log.wait_first(
+                lambda c: launcher(c) and c.uid == created.uid and c.object["spec"].get("nodeName"),
+                60,
+                "the new launcher bound to a node",
+                after=created,
+            )
+            back = await log.wait_first(
+                lambda c: llmd(c) and world_status(c).get("phase") == "Ready",
+                30 + START_TIMEOUT,
+                "the world Ready again",
+                after=restarted,
+            )
+        steps = {
+            "node lost": lost,
+            "launcher marked not Ready": marked,
+            "restart written": restarted,
+            "launcher deleted": deleting,
+            "new launcher created": created,
+            "new launcher bound": bound,
+            "world Ready": back,
+        }
+        print("; ".join(f"{what} +{change.at - lost.at:.1f}s" for what, change in steps.items()))
+        versions = [change.resource_version for change in steps.values()]
+        assert versions == sorted(versions) and len(set(versions)) == len(versions), steps
+        assert deleting.seq < gone.seq < created.seq  # one watch (pods): the order it streamed
+        assert gone.object["metadata"]["deletionTimestamp"]  # deleted gracefully first, then forced
+        assert bound.object["spec"]["nodeName"] == "gpu-0"  # not the lost node
+        assert world_status(restarted)["lastRestartReason"] == "Unreachable"
+        assert world_status(restarted).get("phase") != "Ready"
+        assert world_status(back)["restarts"] == 1
         assert any(
             "solo-w0-launcher" in m and "grace period 0" in m for m in cluster.event_messages("PodOnLostNode")
         )
-        assert solo.world()["lastRestartReason"] == "Unreachable"
+        assert solo.nodes()["solo-w0-launcher"] == "gpu-0"
         assert await serves(solo)

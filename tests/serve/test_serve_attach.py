@@ -28,7 +28,6 @@ from berth.engine import LLM, SamplingParams
 from berth.engine.executor import EngineDeadError, ipc
 from berth.engine.executor.attach import AttachEndpoint
 from berth.engine.executor.messages import ATTACH_PROTOCOL, AttachHello
-from berth.engine.models.tiny_model import make_tiny_model
 from berth.operator import render
 from tests.serve.server_process import (
     ADMIN_TOKEN,
@@ -40,6 +39,7 @@ from tests.serve.server_process import (
 )
 from tests.support.engine_processes import call_with_timeout, wait_until
 from tests.support.forgery import LeavesATrace
+from tests.support.model_revisions import reversed_vocabulary
 
 KEY = secrets.token_hex(32)
 ENV = {"BERTH_ENGINE_KEY": KEY, "BERTH_ADMIN_TOKEN": ADMIN_TOKEN}
@@ -467,21 +467,6 @@ def test_sigterm_on_the_owner_drains_every_frontends_streams_then_exits_0(tiny_m
     finally:
         for server in (*frontends, owner):
             server.stop()
-
-
-def reversed_vocabulary(model: Path, seed: int, target: Path) -> Path:
-    """Another revision of `model`'s architecture: other weights, and a tokenizer that maps
-    every ordinary token to another id (the order of the vocabulary reversed; special tokens
-    keep theirs). Text tokenized with one revision's tokenizer reads as other words to the other."""
-    make_tiny_model(target, seed=seed)
-    tokenizer = json.loads((target / "tokenizer.json").read_text())
-    specials = {token["id"] for token in tokenizer["added_tokens"]}
-    vocab = tokenizer["model"]["vocab"]
-    ordinary = sorted(i for i in vocab.values() if i not in specials)
-    mapping = dict(zip(ordinary, reversed(ordinary)))
-    tokenizer["model"]["vocab"] = {token: mapping.get(i, i) for token, i in vocab.items()}
-    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
-    return target
 
 
 SWAP_PROMPTS = ("rivers and stars", "bread in the rain", "owls over glass", "maps of engines")
