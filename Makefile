@@ -7,7 +7,8 @@ SMOLLM2 := .cache/smollm2
 # mpich's mpiexec lives in the venv: MPI spawning needs it on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup venv demo test lint clean real-model gpu-wheels gpu-check gpu-check-dry-run
+.PHONY: setup venv demo test lint clean real-model gpu-wheels gpu-check gpu-check-dry-run figures \
+	figures-check
 
 # System packages the suite uses, installed from Debian's archive when missing (needs root, as
 # the operator tests do): sshd and ssh for the worker pods the test kubelet runs
@@ -84,6 +85,14 @@ gpu-check:
 # The same checks' code on this CPU with tiny shapes (the suite runs it too: tests/tools/).
 gpu-check-dry-run: venv
 	$(BIN)/python tools/gpu_check.py --dry-run $(GPU_CHECK_ARGS)
+
+# The documents' tables of figures, generated from the raw data in docs/measurements/ (and the
+# gpu-check reports in docs/gpu-check/) by tools/figures.py; the check fails where they differ.
+figures:
+	$(PYTHON) tools/figures.py write
+
+figures-check:
+	$(PYTHON) tools/figures.py check
 
 lint: venv
 	$(BIN)/ruff check .
