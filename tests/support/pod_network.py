@@ -13,6 +13,7 @@ one machine never touch each other's devices. Needs root and iproute2.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import itertools
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 from tests.support.engine_processes import pid_alive
 
 NETNS_DIR = Path("/run/netns")
+SUBNET_LOCK = Path("/run/berth-test-pod-network.lock")
 # Candidate pod ranges (RFC 1918, well away from the usual Docker / Kubernetes defaults); a
 # kubelet takes the first /22 that no interface on this machine uses yet.
 TEST_RANGE = ipaddress.ip_network("10.233.0.0/16")
@@ -123,22 +125,26 @@ class PodNetwork:
     @classmethod
     def create(cls) -> PodNetwork:
         require_root()
-        sweep_stale()
-        used = _used_networks()
-        subnet = next(
-            (
-                candidate
-                for candidate in TEST_RANGE.subnets(new_prefix=SUBNET_PREFIX)
-                if not any(candidate.overlaps(net) for net in used)
-            ),
-            None,
-        )
-        if subnet is None:
-            raise NetworkSetupError(f"no free /{SUBNET_PREFIX} left in {TEST_RANGE}")
-        bridge = f"{LINK_PREFIX}b{os.getpid():x}"
-        gateway = str(next(subnet.hosts()))
-        ip("link", "add", bridge, "type", "bridge")
-        ip("addr", "add", f"{gateway}/{subnet.prefixlen}", "dev", bridge)
+        # Choosing a free range and taking it is one step for all test processes on the machine
+        # (pytest-xdist's workers): two kubelets starting at once must not take the same range.
+        with open(SUBNET_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            sweep_stale()
+            used = _used_networks()
+            subnet = next(
+                (
+                    candidate
+                    for candidate in TEST_RANGE.subnets(new_prefix=SUBNET_PREFIX)
+                    if not any(candidate.overlaps(net) for net in used)
+                ),
+                None,
+            )
+            if subnet is None:
+                raise NetworkSetupError(f"no free /{SUBNET_PREFIX} left in {TEST_RANGE}")
+            bridge = f"{LINK_PREFIX}b{os.getpid():x}"
+            gateway = str(next(subnet.hosts()))
+            ip("link", "add", bridge, "type", "bridge")
+            ip("addr", "add", f"{gateway}/{subnet.prefixlen}", "dev", bridge)
         ip("link", "set", bridge, "up")
         network = cls(subnet=subnet, bridge=bridge, gateway=gateway)
         network._hosts = iter(list(subnet.hosts())[1:])  # the first address is the bridge's
