@@ -7,7 +7,7 @@ SMOLLM2 := .cache/smollm2
 # mpich's mpiexec lives in the venv: MPI spawning needs it on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup venv demo test lint clean real-model gpu-wheels gpu-check gpu-check-dry-run figures \
+.PHONY: setup venv demo test test-quick lint clean real-model gpu-wheels gpu-check gpu-check-dry-run figures \
 	figures-check
 
 # System packages the suite uses, installed from Debian's archive when missing (needs root, as
@@ -66,8 +66,18 @@ demo: real-model
 	echo "demo: berth serve listens at $$url (log: $(DEMO_LOG))"; \
 	$(BIN)/python examples/openai_client.py --base-url $$url/v1 --wait-ready 30
 
+# The suite in TEST_WORKERS processes (pytest-xdist): most operator tests wait on processes and
+# polls, not on the CPU, so more processes than cores finish sooner; worksteal hands the slow
+# tests at the end of a worker's share to whichever worker is free.
+TEST_WORKERS ?= 3
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: setup real-model
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
+
+# The inner loop: every test but those marked slow.
+test-quick: setup real-model
+	$(PYTEST) -m "not slow"
 
 # The CUDA path on a GPU machine (tools/gpu_check.py): every check in one run, one table, a JSON
 # report in $$OUT (or gpu-check/). It runs on the machine's own python3 (torch, Triton and

@@ -37,7 +37,7 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "paged_attention": [_P, _I] + [_P] * 4 + [_I] + [_P] * 3 + [_I] * 5 + [_F],
+    "paged_attention": [_P, _I] + [_P] * 4 + [_I] + [_P] * 3 + [_I] * 5 + [_F, _I],
     "rms_norm": [_P] * 5 + [_I, _I, _F],
     "rotary": [_P, _P, _I, _I, _P, _I, _I, _I, _P, _I, _I],
     "silu_and_mul": [_P, _P, _I, _I],
@@ -329,15 +329,19 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]."""
+    """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]; with
+    a `window`, over the last `window` positions of it only."""
     md = metadata
     kernel = _attention_kernel(query, key_cache)
     if kernel is None and key_cache.dtype != query.dtype:  # the reference reads one dtype
-        attended = reference.paged_attention(query.to(key_cache.dtype), key_cache, value_cache, md, scale)
+        attended = reference.paged_attention(
+            query.to(key_cache.dtype), key_cache, value_cache, md, scale, window
+        )
         return attended.to(query.dtype)
     if kernel is None:
-        return reference.paged_attention(query, key_cache, value_cache, md, scale)
+        return reference.paged_attention(query, key_cache, value_cache, md, scale, window)
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -345,7 +349,7 @@ def paged_attention(
         md.derived["cpu_plan"] = _plan(md)
     rows, seqs, context_lens, block_tables, long_prefills = md.derived["cpu_plan"]
     for seq in long_prefills:
-        _attend_prefill(seq, query, key_cache, value_cache, md, scale, out)
+        _attend_prefill(seq, query, key_cache, value_cache, md, scale, window, out)
     if rows.numel():
         num_kv_heads, head_dim = key_cache.shape[-2:]
         status = kernel(
@@ -365,6 +369,7 @@ def paged_attention(
             head_dim,
             key_cache.shape[1],
             scale,
+            window or 0,  # 0: no window
         )
         if status != 0:
             raise ValueError(
@@ -401,7 +406,7 @@ def _attention_kernel(query: torch.Tensor, key_cache: torch.Tensor):
 
 
 def _attend_prefill(
-    seq: int, query, key_cache, value_cache, md: AttentionMetadata, scale: float, out
+    seq: int, query, key_cache, value_cache, md: AttentionMetadata, scale: float, window, out
 ) -> None:
     """One long prompt (chunk) through SDPA over its gathered context."""
     start, end = (int(x) for x in md.query_start_loc[seq : seq + 2])
@@ -410,13 +415,18 @@ def _attend_prefill(
     cached = seq_len - num_new
     num_kv_heads, head_dim = key_cache.shape[-2:]
     block_size = key_cache.shape[1]
+    positions = torch.arange(seq_len)
     if cached == 0:  # a whole prompt, or its first chunk: its own new tokens only
-        slots, mask = md.slot_mapping[start:end], None
+        slots = md.slot_mapping[start:end]
     else:
-        positions = torch.arange(seq_len)
         slots = md.block_tables[seq].long()[positions // block_size] * block_size + positions % block_size
+    mask = None  # a whole prompt without a window: SDPA's own causal mask
+    if cached or window:
         # Bottom-right causal: new token i sits at position cached + i.
-        mask = positions[None] <= (cached + torch.arange(num_new))[:, None]
+        query_positions = (cached + torch.arange(num_new))[:, None]
+        mask = positions[None] <= query_positions
+        if window:
+            mask &= positions[None] > query_positions - window
     # 4-D, [1, heads, tokens, dim]: with 3-D tensors SDPA takes its slow math path on the CPU.
     keys = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).transpose(0, 1)[None]
     values = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).transpose(0, 1)[None]

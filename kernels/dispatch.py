@@ -140,8 +140,10 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the new tokens (query [T, Hq, D]) over their sequences' paged cache.
+    """Causal attention of the new tokens (query [T, Hq, D]) over their sequences' paged cache;
+    with a sliding `window`, each token sees only the last `window` positions (itself included).
     Over a cache of another dtype (a bfloat16 KV cache under a float32 model) the CPU backend
     reads the float32 query and writes float32 output, rounding only what the cache holds;
     backends that read one dtype attend in the cache's (the query rounded to it, the output
@@ -150,7 +152,7 @@ def paged_attention(
     mixed = getattr(implementation, "READS_A_CACHE_OF_ANOTHER_DTYPE", False)
     if key_cache.dtype != query.dtype and not mixed:
         attended = implementation.paged_attention(
-            query.to(key_cache.dtype), key_cache, value_cache, metadata, scale
+            query.to(key_cache.dtype), key_cache, value_cache, metadata, scale, window
         )
         return attended.to(query.dtype)
-    return implementation.paged_attention(query, key_cache, value_cache, metadata, scale)
+    return implementation.paged_attention(query, key_cache, value_cache, metadata, scale, window)

@@ -61,14 +61,17 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]."""
+    """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]. With
+    a `window`, the token at position p sees positions (p - window, p] only (transformers'
+    sliding window: itself and the window - 1 before it)."""
     md = metadata
     out = torch.empty_like(query)
     if md.num_prefills:
-        _attend_prefills(query, key_cache, value_cache, md, scale, out)
+        _attend_prefills(query, key_cache, value_cache, md, scale, out, window)
     if md.num_decodes:
-        _attend_decodes(query, key_cache, value_cache, md, scale, out)
+        _attend_decodes(query, key_cache, value_cache, md, scale, out, window)
     return out
 
 
@@ -96,17 +99,22 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[2:]).transpose(1, 2)
 
 
-def _attend_decodes(query, key_cache, value_cache, md, scale, out) -> None:
+def _attend_decodes(query, key_cache, value_cache, md, scale, out, window) -> None:
     """One query token per sequence: a dense batch with a length mask."""
     first = md.num_prefills
     tokens = slice(md.num_prefill_tokens, md.num_prefill_tokens + md.num_decodes)
     rows = slice(first, md.num_seqs)
     max_seq_len = md.max_seq_len
     slots = _context_slots(md, rows, max_seq_len, key_cache.shape[1])
-    if "decode_mask" not in md.derived:
+    key = ("decode_mask", window)  # layers of one step may have different windows
+    if key not in md.derived:
         seq_lens = md.seq_lens[rows].long()
-        md.derived["decode_mask"] = torch.arange(max_seq_len, device=query.device)[None] < seq_lens[:, None]
-    mask = md.derived["decode_mask"]  # [B, S]
+        positions = torch.arange(max_seq_len, device=query.device)[None]
+        mask = positions < seq_lens[:, None]
+        if window is not None:
+            mask &= positions >= seq_lens[:, None] - window
+        md.derived[key] = mask
+    mask = md.derived[key]  # [B, S]
     attended = F.scaled_dot_product_attention(
         query[tokens].unsqueeze(2),  # [B, Hq, 1, D]
         _gather(key_cache, slots),
@@ -118,7 +126,7 @@ def _attend_decodes(query, key_cache, value_cache, md, scale, out) -> None:
     out[tokens] = attended.squeeze(2)
 
 
-def _attend_prefills(query, key_cache, value_cache, md, scale, out) -> None:
+def _attend_prefills(query, key_cache, value_cache, md, scale, out, window) -> None:
     """Several query tokens per sequence: pad queries and keys, mask causally and by length."""
     last = md.num_prefills
     starts = md.query_start_loc[:last].long()
@@ -133,6 +141,8 @@ def _attend_prefills(query, key_cache, value_cache, md, scale, out) -> None:
     mask = (key_positions[None, None] <= query_positions[:, :, None]) & (
         key_positions[None, None] < seq_lens[:, None, None]
     )
+    if window is not None:
+        mask &= key_positions[None, None] > query_positions[:, :, None] - window
     slots = _context_slots(md, slice(0, last), max_seq_len, key_cache.shape[1])
     attended = F.scaled_dot_product_attention(
         query[token_index].transpose(1, 2),  # [B, Hq, Q, D]

@@ -55,8 +55,10 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]."""
+    """Causal attention of each sequence's new tokens over its cached context: [T, Hq, D]; with
+    a `window`, over the last `window` positions of it only."""
     md = metadata
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -75,6 +77,7 @@ def paged_attention(
             md.block_tables[: md.num_prefills],
             md.num_prefill_tokens,
             scale,
+            window,
         )
     if md.num_decodes:
         decode_attention(
@@ -87,5 +90,6 @@ def paged_attention(
             md.block_tables[md.num_prefills :],
             md.max_seq_len,
             scale,
+            window=window,
         )
     return out

@@ -28,6 +28,9 @@ SHAPE_FIELDS = (
     "head_dim",
     "tie_word_embeddings",
     "attention_bias",
+    "num_experts",
+    "moe_intermediate_size",
+    "sparse_layers",
 )
 
 
@@ -49,6 +52,15 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
+    # Per layer: how many positions back a token sees (itself included), None for all of them.
+    sliding_windows: tuple[int | None, ...] = ()
+    # Mixture of experts (0 experts: none). `sparse_layers` are the layers whose MLP is the
+    # sparse block; every expert is a gated MLP of `moe_intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -66,12 +78,15 @@ class ModelConfig:
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         num_heads = raw["num_attention_heads"]
+        num_layers = raw["num_hidden_layers"]
+        # Mixtral's `num_local_experts`; Qwen3-MoE's `num_experts` (transformers 5 writes the former).
+        num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
         return cls(
             architecture=architectures[0],
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
@@ -84,6 +99,16 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", raw.get("model_type") == "qwen2"),
             eos_token_ids=_eos_ids(raw, Path(model_dir)),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
+            sliding_windows=_sliding_windows(raw, num_layers),
+            num_experts=num_experts,
+            num_experts_per_tok=(raw.get("num_experts_per_tok") or 0) if num_experts else 0,
+            # Mixtral's experts are `intermediate_size` wide; Qwen3-MoE's `moe_intermediate_size`.
+            moe_intermediate_size=(
+                (raw.get("moe_intermediate_size") or raw["intermediate_size"]) if num_experts else 0
+            ),
+            # Mixtral always renormalises the top-k weights; Qwen3-MoE when `norm_topk_prob`.
+            norm_topk_prob=raw.get("norm_topk_prob", True),
+            sparse_layers=_sparse_layers(raw, num_layers, num_experts),
         )
 
     def shape_differences(self, other: ModelConfig) -> list[str]:
@@ -93,6 +118,33 @@ class ModelConfig:
             for name in SHAPE_FIELDS
             if getattr(other, name) != getattr(self, name)
         ]
+
+
+def _sliding_windows(raw: dict, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window, as transformers applies it: `layer_types` where the config lists them
+    (transformers >= 5 writes them for the families that mix windowed and full layers, Qwen2 and
+    Qwen3: layers from `max_window_layers` on, where older files say only that), otherwise every
+    layer (Mistral, Mixtral, Qwen3-MoE). `use_sliding_window: false` turns the window off."""
+    window = raw.get("sliding_window")
+    if not window or raw.get("use_sliding_window") is False:
+        return (None,) * num_layers
+    types = raw.get("layer_types")
+    if types is None and raw.get("model_type") in ("qwen2", "qwen3") and "max_window_layers" in raw:
+        first = raw["max_window_layers"]
+        types = ["sliding_attention" if layer >= first else "full_attention" for layer in range(num_layers)]
+    if types is None:
+        return (window,) * num_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def _sparse_layers(raw: dict, num_layers: int, num_experts: int) -> tuple[int, ...]:
+    """The layers whose MLP is the sparse MoE block: every `decoder_sparse_step`-th one, except
+    `mlp_only_layers` (Qwen3-MoE's rule; Mixtral has neither field: every layer)."""
+    if not num_experts:
+        return ()
+    step = raw.get("decoder_sparse_step") or 1
+    dense = set(raw.get("mlp_only_layers") or ())
+    return tuple(layer for layer in range(num_layers) if (layer + 1) % step == 0 and layer not in dense)
 
 
 def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:

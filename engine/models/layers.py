@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from berth import kernels
-from berth.engine.models.parallel import TensorParallelGroup, vocab_split
+from berth.engine.models.parallel import TensorParallelGroup, even_split, vocab_split
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -45,8 +45,10 @@ class Linear(nn.Module):
     def pack(self) -> None:
         self.packed = kernels.pack_linear_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.packed)
+    def forward(self, x: torch.Tensor, *, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias=False` leaves the bias to the caller: a row-parallel layer adds it once,
+        after summing the ranks' partial products, not once per rank."""
+        return kernels.linear(x, self.weight, self.bias if add_bias else None, self.packed)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -81,3 +83,26 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) over this rank's slice of the intermediate features:
+    column-parallel gate/up (one fused GEMM), row-parallel down. A dense layer's MLP, and each
+    expert of a sparse MoE block (which sums its experts before the ranks)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, tp: TensorParallelGroup, dtype, device
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        _, intermediate = even_split(intermediate_size, tp.rank, tp.size, "intermediate size")
+        factory = dict(dtype=dtype, device=device)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate, bias=False, **factory)
+        self.down_proj = Linear(intermediate, hidden_size, bias=False, **factory)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (all of it with one rank)."""
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(x))

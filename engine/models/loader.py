@@ -18,16 +18,26 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from berth.engine.models.config import ModelConfig
-from berth.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from berth.engine.models.decoder import DecoderForCausalLM
+from berth.engine.models.llama import LlamaForCausalLM
+from berth.engine.models.mistral import MistralForCausalLM
+from berth.engine.models.mixtral import MixtralForCausalLM
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
+from berth.engine.models.qwen2 import Qwen2ForCausalLM
+from berth.engine.models.qwen3 import Qwen3ForCausalLM
+from berth.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from berth.kernels.cpu_ops import gemm_path
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+# A checkpoint's `architectures[0]` -> the family that serves it.
+ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Below this size a progress bar is noise; above it, users want to see the load moving.
@@ -113,12 +123,14 @@ class StoredTensor:
         self._report = report
 
     def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
-        if dim is None:
-            tensor = self._slice[:]
-        else:
-            index = [slice(None)] * len(self.shape)
-            index[dim] = slice(start, self.shape[dim] if length is None else start + length)
-            tensor = self._slice[tuple(index)]
+        region = [slice(None)] * len(self.shape)
+        if dim is not None:
+            region[dim] = slice(start, self.shape[dim] if length is None else start + length)
+        return self.read_region(tuple(region))
+
+    def read_region(self, region: tuple[slice, ...]) -> torch.Tensor:
+        """The part a slice per dim selects."""
+        tensor = self._slice[region]
         self._progress.update(tensor.numel() * tensor.element_size())
         if self._report is not None:
             self._report(self._progress.n, self._progress.total)
@@ -148,7 +160,7 @@ def load_model(
     device: str | torch.device = "cpu",
     tp: TensorParallelGroup = SINGLE,
     on_bytes_read: Callable[[int, int], None] | None = None,
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     """The model, or with `tp` this rank's shard of it, loaded and packed for the kernels;
     `on_bytes_read(read, total)` hears how far reading the files has come (a few times a second)."""
     model_dir = Path(model_dir)

@@ -1,9 +1,10 @@
 """`berth make-tiny-model DIR`: a small random-weight checkpoint in Hugging Face format.
 
-Tests and the demo need a real checkpoint without a hub download: this writes a Llama or
-Qwen2 model with random weights and a byte-level BPE tokenizer trained on a built-in corpus
-(all 256 bytes are in its alphabet, so no text is out of vocabulary). The same seed gives
-the same files.
+Tests and the demo need a real checkpoint without a hub download: this writes a model of any
+family berth serves (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE), built by transformers'
+own config and model classes, with random weights and a byte-level BPE tokenizer trained on a
+built-in corpus (all 256 bytes are in its alphabet, so no text is out of vocabulary). The same
+seed gives the same files.
 """
 
 from __future__ import annotations
@@ -40,10 +41,27 @@ CHAT_TEMPLATE = (
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, "<|im_start|>", "<|im_end|>"]
 
+# --arch -> transformers' (config class, model class), and what a tiny one sets beyond the
+# common fields: the MoE families get 4 experts, 2 a token.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
+    ),
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", type=Path, help="where to write the checkpoint")
-    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama", help="qwen2 adds QKV bias")
+    parser.add_argument(
+        "--arch", choices=tuple(FAMILIES), default="llama", help="the model family (qwen2 adds QKV bias)"
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--intermediate-size", type=int, default=None, help="default: 2 x hidden size")
@@ -137,10 +155,14 @@ def make_tiny_model(
     init_std: float = 0.25,
     max_shard_size: str | None = None,
     seed: int = 0,
+    head_dim: int | None = None,
+    **config_fields,
 ) -> Path:
-    """Writes the checkpoint and returns its directory."""
+    """Writes the checkpoint and returns its directory. `head_dim` (default hidden_size / heads)
+    and `config_fields` (`sliding_window=8`, `mlp_only_layers=[1]`, ...) go to the config class."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     directory = Path(directory)
     tokenizer = build_tokenizer(vocab_size)
@@ -160,12 +182,13 @@ def make_tiny_model(
         tie_word_embeddings=tie_word_embeddings,
     )
     rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
-    if arch == "llama":
-        config, model_class = LlamaConfig(**common, rope_parameters=rope), LlamaForCausalLM
-    elif arch == "qwen2":
-        config, model_class = Qwen2Config(**common, rope_parameters=rope), Qwen2ForCausalLM
-    else:
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    if arch not in FAMILIES:
+        raise ValueError(f"arch must be one of {', '.join(FAMILIES)}, got {arch!r}")
+    config_name, model_name, family_fields = FAMILIES[arch]
+    if head_dim is not None or arch.startswith("qwen3"):  # Qwen3's default is 128, not hidden / heads
+        common["head_dim"] = head_dim or hidden_size // num_heads
+    config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
+    config = config_class(**common, **{**family_fields, **config_fields}, rope_parameters=rope)
 
     torch.manual_seed(seed)
     model = model_class(config).eval()

@@ -147,7 +147,8 @@ def build_rank(
         enable_prefix_caching=config.enable_prefix_caching,
     )
     runner = ModelRunner(model, kv_cache, device, tp)
-    if uses_decode_graphs(config, device, tp):
+    # A MoE model runs eagerly: its GEMM sizes follow each step's routing (`supports_decode_graphs`).
+    if uses_decode_graphs(config, device, tp) and getattr(model, "supports_decode_graphs", True):
         report(LoadProgress("capturing decode graphs"))
         runner.use_decode_graphs(decode_graphs_for(runner, config))
         runner.capture_decode_graphs()

@@ -4,7 +4,8 @@
  *
  * Work item i is query token rows[i]: it attends over positions [0, context_lens[i]) of
  * sequence seqs[i], whose blocks are block_tables[seqs[i], :] (a decode attends over its whole
- * sequence; a prompt token over the positions up to its own: causal). Caches are
+ * sequence; a prompt token over the positions up to its own: causal); with a sliding window
+ * (window > 0), over the last `window` of them only. Caches are
  * [num_blocks, block_size, num_kv_heads, head_dim] and outputs [tokens, num_q_heads, head_dim],
  * contiguous; queries the same with any row stride (a view of the fused QKV projection). The
  * query heads that share a KV head (grouped-query attention) are done together, so each key and
@@ -144,7 +145,7 @@ static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
                     Q *out, const int32_t *block_tables, int64_t block_table_stride,                 \
                     const int32_t *rows, const int32_t *seqs, const int32_t *context_lens,           \
                     int64_t num_items, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,  \
-                    int64_t block_size, float scale) {                                               \
+                    int64_t block_size, float scale, int64_t window) {                               \
         const int64_t group = num_q_heads / num_kv_heads;                                            \
         if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK ||                \
             group * num_kv_heads != num_q_heads)                                                     \
@@ -167,9 +168,12 @@ static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
                 }                                                                                    \
                 const int64_t length = context_lens[item];                                           \
                 const int32_t *blocks = block_tables + seqs[item] * block_table_stride;              \
-                for (int64_t start = 0; start < length; start += block_size) {                       \
-                    const int64_t count = length - start < block_size ? length - start : block_size; \
-                    const int64_t base = (int64_t)blocks[start / block_size] * block_size;           \
+                /* A window starts mid-block: the first stretch runs to the end of its block. */      \
+                const int64_t first = window > 0 && length > window ? length - window : 0;           \
+                for (int64_t start = first, count; start < length; start += count) {                 \
+                    const int64_t offset = start % block_size, room = block_size - offset;           \
+                    count = length - start < room ? length - start : room;                           \
+                    const int64_t base = (int64_t)blocks[start / block_size] * block_size + offset;  \
                     const int64_t first_slot = base * token_stride + kv_head * (HEAD_DIM);           \
                     scores_##KERNELS(q, group, key_cache + first_slot, token_stride, count,          \
                                      scores, head_dim);                                                \
@@ -217,14 +221,14 @@ static inline float sum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2
              const int32_t *block_tables, int64_t block_table_stride, const int32_t *rows,           \
              const int32_t *seqs, const int32_t *context_lens, int64_t num_items,                    \
              int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,        \
-             float scale) {                                                                          \
+             float scale, int64_t window) {                                                          \
         int (*kernel)(const Q *, int64_t, const T *, const T *, Q *, const int32_t *, int64_t,       \
                       const int32_t *, const int32_t *, const int32_t *, int64_t, int64_t, int64_t,  \
-                      int64_t, int64_t, float) =                                                     \
+                      int64_t, int64_t, float, int64_t) =                                            \
             head_dim == 64 ? NAME##_64 : head_dim == 128 ? NAME##_128 : NAME##_any;                  \
         return kernel(query, query_stride, key_cache, value_cache, out, block_tables,                \
                       block_table_stride, rows, seqs, context_lens, num_items, num_q_heads,          \
-                      num_kv_heads, head_dim, block_size, scale);                                    \
+                      num_kv_heads, head_dim, block_size, scale, window);                            \
     }
 
 DEFINE_CACHE_KERNELS(f32_cache, float, f32_to_float, load8_f32)

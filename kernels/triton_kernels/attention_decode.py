@@ -34,6 +34,7 @@ def _decode_segment_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     scale_log2,
+    window,
     segment_len,
     stride_query_token,
     stride_query_head,
@@ -58,6 +59,7 @@ def _decode_segment_kernel(
     SINGLE_SEGMENT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -85,15 +87,22 @@ def _decode_segment_kernel(
     row_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     # The query is the sequence's last token: every key before seq_len is visible, so no causal
-    # mask (and no query positions: `rows` only fills that argument).
-    for tile_start in range(segment_start, segment_end, BLOCK_N):
+    # mask; a window hides the keys before its start (tiles wholly before it are skipped, and a
+    # segment wholly before it leaves a -inf maximum, which the merge weighs 0).
+    first_tile_start = segment_start
+    if WINDOW:
+        window_start = tl.maximum(seq_len - window, 0)
+        first_tile_start += tl.maximum(window_start - segment_start, 0) // BLOCK_N * BLOCK_N
+    query_positions = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1
+    for tile_start in range(first_tile_start, segment_end, BLOCK_N):
         acc, row_sum, row_max = attend_tile(
-            acc, row_sum, row_max, query, rows, tile_start, seq_len, block_table_ptr,
+            acc, row_sum, row_max, query, query_positions, tile_start, seq_len, block_table_ptr,
             key_cache_ptr, value_cache_ptr, kv_head,
             stride_key_block, stride_key_slot, stride_key_head,
             stride_value_block, stride_value_slot, stride_value_head,
-            scale_log2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CACHE_BLOCK_SIZE,
+            scale_log2, window, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CACHE_BLOCK_SIZE,
             MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, DOT_IN_FP32=DOT_IN_FP32,
+            WINDOW=WINDOW,
         )  # fmt: skip
 
     if SINGLE_SEGMENT:
@@ -163,8 +172,10 @@ def decode_attention(
     max_seq_len: int,
     scale: float,
     segment_len: int | None = None,
+    window: int | None = None,
 ) -> None:
-    """Writes `out[query_start_loc[i]]` for each decode sequence i described by the arguments.
+    """Writes `out[query_start_loc[i]]` for each decode sequence i described by the arguments;
+    with a `window`, over each sequence's last `window` positions only.
 
     `segment_len` (a multiple of the key tile) overrides the split; tests use it to exercise
     the merge on short contexts.
@@ -204,6 +215,7 @@ def decode_attention(
         seq_lens,
         block_tables,
         scale * LOG2_E,
+        window or 0,
         segment_len,
         query.stride(0),
         query.stride(1),
@@ -225,6 +237,7 @@ def decode_attention(
         CACHE_BLOCK_SIZE=key_cache.shape[1],
         SINGLE_SEGMENT=single_segment,
         **dot_options(query.dtype, query.device),
+        WINDOW=bool(window),
         num_warps=4,
         num_stages=2,
     )

@@ -47,6 +47,7 @@ def _prefill_attention_kernel(
     block_tables_ptr,
     num_seqs,
     scale_log2,
+    window,
     stride_query_token,
     stride_query_head,
     stride_out_token,
@@ -67,6 +68,7 @@ def _prefill_attention_kernel(
     CACHE_BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     query_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,28 +103,47 @@ def _prefill_attention_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     first_query_position = context_len + block_in_seq * BLOCK_Q
-    # Tiles wholly before the block's first query need no mask; the rest (the diagonal) do.
-    num_unmasked_tiles = (first_query_position + 1) // BLOCK_N
     kv_end = tl.minimum(seq_len, first_query_position + BLOCK_Q)
-    for tile in range(0, num_unmasked_tiles):
-        acc, row_sum, row_max = attend_tile(
-            acc, row_sum, row_max, query, query_positions, tile * BLOCK_N, seq_len, block_table_ptr,
-            key_cache_ptr, value_cache_ptr, kv_head,
-            stride_key_block, stride_key_slot, stride_key_head,
-            stride_value_block, stride_value_slot, stride_value_head,
-            scale_log2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CACHE_BLOCK_SIZE,
-            MASK_KEYS=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, DOT_IN_FP32=DOT_IN_FP32,
-        )  # fmt: skip
-    for tile in range(num_unmasked_tiles, tl.cdiv(kv_end, BLOCK_N)):
-        acc, row_sum, row_max = attend_tile(
-            acc, row_sum, row_max, query, query_positions, tile * BLOCK_N, seq_len, block_table_ptr,
-            key_cache_ptr, value_cache_ptr, kv_head,
-            stride_key_block, stride_key_slot, stride_key_head,
-            stride_value_block, stride_value_slot, stride_value_head,
-            scale_log2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CACHE_BLOCK_SIZE,
-            MASK_KEYS=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION, DOT_IN_FP32=DOT_IN_FP32,
-        )  # fmt: skip
+    if WINDOW:
+        # From the tile holding the first key the block's first query sees; every tile masked
+        # (the window's lower edge runs diagonally through them, as the causal edge does).
+        first_tile = tl.maximum(first_query_position - window + 1, 0) // BLOCK_N
+        for tile in range(first_tile, tl.cdiv(kv_end, BLOCK_N)):
+            acc, row_sum, row_max = attend_tile(
+                acc, row_sum, row_max, query, query_positions, tile * BLOCK_N, seq_len, block_table_ptr,
+                key_cache_ptr, value_cache_ptr, kv_head,
+                stride_key_block, stride_key_slot, stride_key_head,
+                stride_value_block, stride_value_slot, stride_value_head,
+                scale_log2, window, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CACHE_BLOCK_SIZE,
+                MASK_KEYS=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION, DOT_IN_FP32=DOT_IN_FP32,
+                WINDOW=True,
+            )  # fmt: skip
+    else:
+        # Tiles wholly before the block's first query need no mask; the rest (the diagonal) do.
+        num_unmasked_tiles = (first_query_position + 1) // BLOCK_N
+        for tile in range(0, num_unmasked_tiles):
+            acc, row_sum, row_max = attend_tile(
+                acc, row_sum, row_max, query, query_positions, tile * BLOCK_N, seq_len, block_table_ptr,
+                key_cache_ptr, value_cache_ptr, kv_head,
+                stride_key_block, stride_key_slot, stride_key_head,
+                stride_value_block, stride_value_slot, stride_value_head,
+                scale_log2, window, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CACHE_BLOCK_SIZE,
+                MASK_KEYS=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, DOT_IN_FP32=DOT_IN_FP32,
+                WINDOW=False,
+            )  # fmt: skip
+        for tile in range(num_unmasked_tiles, tl.cdiv(kv_end, BLOCK_N)):
+            acc, row_sum, row_max = attend_tile(
+                acc, row_sum, row_max, query, query_positions, tile * BLOCK_N, seq_len, block_table_ptr,
+                key_cache_ptr, value_cache_ptr, kv_head,
+                stride_key_block, stride_key_slot, stride_key_head,
+                stride_value_block, stride_value_slot, stride_value_head,
+                scale_log2, window, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, CACHE_BLOCK_SIZE,
+                MASK_KEYS=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION, DOT_IN_FP32=DOT_IN_FP32,
+                WINDOW=False,
+            )  # fmt: skip
 
+    if WINDOW:  # padding rows past the sequence's end may have seen no key: not 0 / 0
+        row_sum = tl.where(row_sum > 0.0, row_sum, 1.0)
     out = acc / row_sum[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
@@ -141,11 +162,13 @@ def prefill_attention(
     block_tables: torch.Tensor,
     num_query_tokens: int,
     scale: float,
+    window: int | None = None,
 ) -> None:
     """Writes `out` rows [0, num_query_tokens) for the sequences described by the arguments.
 
     `query_start_loc` [B + 1], `seq_lens` [B] and `block_tables` [B, *] cover these sequences
-    only; their first query token is row 0 of `query`.
+    only; their first query token is row 0 of `query`. With a `window`, the token at position p
+    sees positions (p - window, p] only.
     """
     num_seqs = seq_lens.numel()
     num_q_heads, head_dim = query.shape[1:]
@@ -169,6 +192,7 @@ def prefill_attention(
         block_tables,
         num_seqs,
         scale * LOG2_E,
+        window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -188,6 +212,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         CACHE_BLOCK_SIZE=key_cache.shape[1],
         **dot_options(query.dtype, query.device),
+        WINDOW=bool(window),
         num_warps=4 if head_dim_pad <= 64 else 8,
         num_stages=2,
     )

@@ -51,6 +51,7 @@ def attend_tile(
     stride_value_slot,
     stride_value_head,
     scale_log2,
+    window,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -59,13 +60,16 @@ def attend_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Folds keys [tile_start, tile_start + BLOCK_N) into (acc, row_sum, row_max); returns them.
 
     MASK_KEYS: the tile may reach past `seq_len` (those slots hold stale or uninitialised data,
     so they are neither loaded nor scored). CAUSAL: the tile may hold keys after some query.
-    Callers guarantee that every row sees an unmasked key in its first tile (key 0 is always
-    visible), so `row_max` is finite from then on and no NaN can appear.
+    WINDOW: a query at position p sees keys (p - window, p] only.
+    Without a window, callers guarantee that every row sees an unmasked key in its first tile
+    (key 0 is always visible), so `row_max` is finite from then on and no NaN can appear; with
+    one, a row may see no key of a tile, and its maximum stays -inf until one comes.
     """
     key_positions = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -93,8 +97,10 @@ def attend_tile(
         query = query.to(tl.float32)
         key = key.to(tl.float32)
     scores = tl.dot(query, key, input_precision=DOT_PRECISION) * scale_log2
-    if CAUSAL:
+    if CAUSAL or WINDOW:
         visible = key_positions[None, :] <= query_positions[:, None]
+        if WINDOW:
+            visible = visible & (key_positions[None, :] > query_positions[:, None] - window)
         if MASK_KEYS:
             visible = visible & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -102,8 +108,14 @@ def attend_tile(
         scores = tl.where(key_valid[None, :], scores, float("-inf"))
 
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-    probs = tl.exp2(scores - new_max[:, None])
-    correction = tl.exp2(row_max - new_max)
+    if WINDOW:
+        # A row that has seen no key yet: subtract 0, so its probabilities are exp2(-inf) = 0
+        # and its correction 0, not the NaN of -inf - -inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    else:
+        shift = new_max
+    probs = tl.exp2(scores - shift[:, None])
+    correction = tl.exp2(row_max - shift)
     row_sum = row_sum * correction + tl.sum(probs, axis=1)
 
     value_offsets = (

@@ -68,6 +68,21 @@ def test_paged_attention_matches_the_reference(
     close(actual, expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 7, 16, 100])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (48, 8)])
+def test_a_sliding_window_matches_the_reference(dtype, window, head_dim, block_size):
+    """The C kernel starts a windowed token's context mid-block; a long prompt (SDPA) masks it,
+    whole or as a chunk over a cached prefix."""
+    seqs = [(0, 17), (37, 20), (0, 600), (100, 520), (0, 1), (15, 1), (250, 1)]
+    batch = random_paged_batch(seqs, 4, 6, 2, head_dim, block_size, dtype=dtype, seed=3)
+    args = (batch.key_cache, batch.value_cache, batch.metadata, head_dim**-0.5, window)
+    actual = cpu_ops.paged_attention(batch.query, *args)
+    assert not actual.isnan().any(), "read a slot no sequence owns"
+    expected = reference.paged_attention(batch.query, *args)
+    close(actual, expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
+
+
 @pytest.mark.parametrize("seqs", [[(0, 5), (40, 1)], [(0, 600), (3, 1)]], ids=["short", "long"])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_a_float32_query_over_a_bfloat16_cache_rounds_only_the_cache(seqs, head_dim):

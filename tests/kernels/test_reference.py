@@ -53,6 +53,33 @@ def test_paged_attention_is_dense_causal_attention(
         start += new
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_a_sliding_window_sees_the_last_window_positions(window):
+    """Transformers' sliding window: the token at position p sees keys (p - window, p] only
+    (`sliding_window_overlay`), for prompts, chunks over a cached prefix and decodes alike."""
+    seqs, num_prefills = [(0, 23), (37, 20), (0, 1), (14, 1), (250, 1)], 2
+    batch = random_paged_batch(seqs, num_prefills, 8, 2, 64, 16, seed=7)
+    scale = 0.125
+    paged = reference.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale, window
+    )
+    start = 0
+    for seq, (cached, new) in enumerate(seqs):
+        keys, values = batch.dense_kv(seq)  # [S, Hk, D]
+        query_positions = torch.arange(cached, cached + new)[:, None]
+        key_positions = torch.arange(cached + new)[None]
+        mask = (key_positions <= query_positions) & (key_positions > query_positions - window)
+        dense = F.scaled_dot_product_attention(
+            batch.query[start : start + new].transpose(0, 1),  # [Hq, new, D]
+            keys.repeat_interleave(4, dim=1).transpose(0, 1),
+            values.repeat_interleave(4, dim=1).transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        ).transpose(0, 1)
+        torch.testing.assert_close(paged[start : start + new], dense, atol=ATOL, rtol=RTOL)
+        start += new
+
+
 def test_rms_norm_formula():
     x, residual, weight = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
     summed = x + residual

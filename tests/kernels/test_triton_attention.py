@@ -67,6 +67,34 @@ def test_paged_attention_strided_query(triton_ops, assert_matches, device):
     assert_matches(actual, expected, "attention")
 
 
+@pytest.mark.parametrize("window", [1, 7, 40, 100])
+@pytest.mark.parametrize("batch_name", ["prefills", "chunked_prefill", "prefills_and_decodes"])
+def test_paged_attention_in_a_sliding_window(triton_ops, assert_matches, device, window, batch_name):
+    """Every tile masked by the window's edge as well as the causal one; rows of a query block
+    that see no key of a tile stay finite."""
+    seqs, num_prefills = BATCHES[batch_name]
+    batch = random_paged_batch(seqs, num_prefills, 8, 2, 64, 16, device=device, seed=8)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.metadata, 0.125, window)
+    assert_matches(triton_ops.paged_attention(*args), reference.paged_attention(*args), "attention")
+
+
+@pytest.mark.parametrize("window", [1, 64, 100])
+def test_decode_segments_before_the_window_weigh_nothing(triton_ops, assert_matches, device, window):
+    """Split decoding with a window: segments wholly before it (a -inf maximum) drop out of the merge."""
+    from berth.kernels.triton_kernels.attention_decode import decode_attention
+
+    seqs = [(0, 1), (63, 1), (130, 1), (299, 1)]
+    batch = random_paged_batch(seqs, 0, 8, 2, 64, 16, device=device, seed=9)
+    md = batch.metadata
+    out = torch.full_like(batch.query, float("nan"))
+    decode_attention(
+        out, batch.query, batch.key_cache, batch.value_cache, md.query_start_loc, md.seq_lens,
+        md.block_tables, md.max_seq_len, 0.125, segment_len=64, window=window,
+    )  # fmt: skip
+    expected = reference.paged_attention(batch.query, batch.key_cache, batch.value_cache, md, 0.125, window)
+    assert_matches(out, expected, "attention")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_split_into_segments(triton_ops, assert_matches, device, dtype, head_dim):
