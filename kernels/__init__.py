@@ -6,32 +6,5 @@ if __name__ != "berth.kernels":  # imported as a top-level `kernels` from the ch
 
     step_aside(__name__, __file__)
 else:
-    from berth.kernels.dispatch import (
-        AttentionMetadata,
-        get_backend,
-        linear,
-        pack_linear_weight,
-        paged_attention,
-        rms_norm,
-        rope_cos_sin_cache,
-        rotary_embedding,
-        set_backend,
-        silu_and_mul,
-        use_backend,
-        write_kv_cache,
-    )
-
-    __all__ = [
-        "AttentionMetadata",
-        "get_backend",
-        "linear",
-        "pack_linear_weight",
-        "paged_attention",
-        "rms_norm",
-        "rope_cos_sin_cache",
-        "rotary_embedding",
-        "set_backend",
-        "silu_and_mul",
-        "use_backend",
-        "write_kv_cache",
-    ]
+    from berth.kernels.dispatch import *  # noqa: F403 (the interface, named in its __all__)
+    from berth.kernels.dispatch import __all__  # noqa: F401

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.engine.test_cli import berth
 
 MB = r"\s+(?P<{}>-?[\d.]+) MB"
@@ -16,6 +18,7 @@ ROW = re.compile(
 )
 
 
+@pytest.mark.slow  # runs `berth bench sleep`: an engine put to sleep and woken at each level
 def test_bench_sleep_prints_a_row_per_level(tiny_model):
     result = berth("bench", "sleep", str(tiny_model), "--kv-blocks", "64", "--batch-size", "8")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.engine.test_cli import berth
 
 ROW = re.compile(
@@ -12,6 +14,7 @@ ROW = re.compile(
 )
 
 
+@pytest.mark.slow  # runs `berth bench wake`: servers, an activator, sleeps and cold starts
 def test_bench_wake_prints_each_first_token_next_to_what_it_waited_for(tiny_model):
     result = berth("bench", "wake", str(tiny_model), "--max-tokens", "4", "--serve-args", "--kv-blocks 64")
     assert result.returncode == 0, result.stdout + result.stderr

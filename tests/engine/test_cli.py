@@ -36,6 +36,7 @@ def test_generate_refuses_a_missing_model_without_a_traceback(tmp_path):
     assert "not a model directory" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a benchmark run end to end (an MPI world beside one rank, or transformers beside berth)
 def test_bench_throughput_reports_both_engines_the_roofline_tpot_and_a_plot(tiny_model, tmp_path):
     plot = tmp_path / "throughput.png"
     result = berth(
@@ -83,6 +84,7 @@ def test_bench_throughput_with_a_shared_prefix_compares_caching_on_and_off(tiny_
     assert "transformers" not in result.stdout
 
 
+@pytest.mark.slow  # a benchmark run end to end (an MPI world beside one rank, or transformers beside berth)
 def test_bench_throughput_with_tensor_parallelism_compares_against_one_rank_and_costs_the_collectives(
     tiny_model,
 ):

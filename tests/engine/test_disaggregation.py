@@ -237,6 +237,7 @@ def test_the_split_across_worker_processes(tiny_model, generation):
     assert kv_blocks_used(generation) == 0
 
 
+@pytest.mark.slow  # a context and a generation engine in processes of their own
 def test_a_real_model_through_the_split_equals_one_engine(smollm2):
     """SmolLM2-135M, a prompt over several prefill chunks: the same greedy tokens as one engine.
     One engine plays both parts (its KV goes out through its socket and back into other blocks):

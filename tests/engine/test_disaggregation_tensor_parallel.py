@@ -212,6 +212,7 @@ def test_a_world_that_replicates_its_kv_head_splits_with_one_rank_either_way(tin
         wait_until_no_block_held(one, world)
 
 
+@pytest.mark.slow  # MPI worlds on either side of the split
 def test_smollm2_over_three_ranks_and_one_splits_either_way(smollm2):
     """The real model (9 query heads and 3 KV heads: TP 2 cannot split them, TP 3 can), a prompt
     over several prefill chunks: a world of 3 ranks and an engine of 1 reshard the KV both ways

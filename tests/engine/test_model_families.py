@@ -81,6 +81,7 @@ def test_greedy_tokens_equal_transformers(family):
     assert again == first
 
 
+@pytest.mark.slow  # an MPI world of two ranks per family
 def test_greedy_tokens_of_two_ranks_equal_transformers(family):
     """Heads, intermediate features (each expert's too) and vocabulary split over two ranks."""
     path, prompts, expected = family

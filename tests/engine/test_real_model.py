@@ -103,6 +103,7 @@ def hf_float32_runs(hf_float32, batch):
     return [hf_greedy(hf_float32, prompt, MAX_NEW) for prompt in batch]
 
 
+@pytest.mark.slow  # SmolLM2 (135M) through berth and through transformers, several prompts
 def test_float32_greedy_tokens_equal_transformers(smollm2, tokenizer, batch, hf_float32_runs):
     ours = berth_greedy(smollm2, "float32", batch)
     for prompt, completion, (theirs, hf_logprobs) in zip(batch, ours, hf_float32_runs):
@@ -116,6 +117,7 @@ def test_float32_greedy_tokens_equal_transformers(smollm2, tokenizer, batch, hf_
             )
 
 
+@pytest.mark.slow  # SmolLM2 (135M) through berth and through transformers, several prompts
 def test_bfloat16_rounds_no_worse_than_transformers_bfloat16_here(
     smollm2, tokenizer, batch, questions, float32_first_tokens
 ):
@@ -128,6 +130,7 @@ def test_bfloat16_rounds_no_worse_than_transformers_bfloat16_here(
     check_rounding_no_worse(smollm2, questions, float32_first_tokens, reference, dtype="bfloat16")
 
 
+@pytest.mark.slow  # SmolLM2 (135M) through berth and through transformers, several prompts
 def test_bfloat16_kv_cache_on_a_float32_model_rounds_only_what_the_cache_holds(
     smollm2, batch, hf_float32_runs, questions, float32_first_tokens
 ):

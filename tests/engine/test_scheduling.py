@@ -105,6 +105,7 @@ def test_token_budget_chunks_a_long_prompt(tiny_model):
     run_to_completion(engine)
 
 
+@pytest.mark.slow  # generates until the KV pool is exhausted and requests are preempted
 def test_preempted_request_resumes_with_unchanged_output(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=40)
     prompts = [list(range(3, 30)), list(range(40, 70))]

@@ -222,6 +222,7 @@ def two_rank_world(leader_model, follower_model) -> TwoRankWorld:
     return world
 
 
+@pytest.mark.slow  # sleep and wakeup cycles of a real engine
 def test_a_revision_one_rank_cannot_load_is_refused_on_every_rank(tiny_model, tiny_qwen2, tmp_path):
     other = tmp_path / "seed-7"
     make_tiny_model(other, seed=7)

@@ -61,6 +61,7 @@ def _comparable(item) -> object:
     return item
 
 
+@pytest.mark.slow  # worker and postprocess processes started, slept and woken
 def test_outputs_are_the_same_with_postprocess_workers(tiny_model):
     with LLM(tiny_model, **ENGINE_OPTIONS) as llm:
         in_the_proxy = outputs_of(llm)
@@ -123,6 +124,7 @@ def test_the_worker_killed_takes_its_postprocess_workers_with_it(tiny_model):
         call_with_timeout(llm.shutdown, 15)
 
 
+@pytest.mark.slow  # worker and postprocess processes started, slept and woken
 def test_sleep_and_wakeup_pass_through_postprocess_workers_after_the_responses_before_them(tiny_model):
     """A transition's result goes down every lane behind the responses the engine sent first: a
     drain's sleep returns only once every request it drained, on either worker, has ended."""
@@ -156,6 +158,7 @@ def texts_of(model, params: SamplingParams) -> dict[str, str]:
     return {prompt: output.outputs[0].text for prompt, output in zip(SWAP_PROMPTS, outputs)}
 
 
+@pytest.mark.slow  # worker and postprocess processes started, slept and woken
 def test_a_wakeup_with_another_tokenizer_swaps_it_in_every_postprocess_worker(tiny_model, tmp_path):
     """A revision with another vocabulary (its ids read as other words to the first one's
     tokenizer): the requests the sleep drains end with the tokenizer they began with; after the

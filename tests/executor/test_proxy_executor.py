@@ -150,6 +150,7 @@ def test_a_request_error_fails_that_request_alone(proxy_llm):
     assert proxy_llm.check_health()
 
 
+@pytest.mark.slow  # a worker process under load until it is killed
 def test_500_concurrent_asyncio_requests_all_complete_once(proxy_llm):
     executor = proxy_llm.executor
     rng = random.Random(3)

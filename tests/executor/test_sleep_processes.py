@@ -42,6 +42,7 @@ def fill_the_kv_pool(llm: LLM) -> None:
     assert llm.executor.stats.kv_blocks_cached == limits.num_kv_blocks  # every block was written
 
 
+@pytest.mark.slow  # sleep and wakeup across worker processes
 def test_sleep_gives_the_kv_pool_and_at_level_2_the_weights_back_to_the_os(wide_model):
     with LLM(wide_model, kv_cache_blocks=KV_BLOCKS, kv_block_size=16, max_batch_size=8) as llm:
         pid = llm.executor.engine_pid
@@ -65,6 +66,7 @@ def test_sleep_gives_the_kv_pool_and_at_level_2_the_weights_back_to_the_os(wide_
         print({level: tuple(f"{v / MiB:.0f} MiB" for v in f) for level, f in figures.items()})
 
 
+@pytest.mark.slow  # sleep and wakeup across worker processes
 def test_a_wakeup_with_another_checkpoint_serves_it_in_the_same_worker(tiny_model, tmp_path):
     revisions = [tmp_path / "second", tmp_path / "third"]
     for seed, path in enumerate(revisions, 1):

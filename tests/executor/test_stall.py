@@ -76,6 +76,7 @@ def test_a_stopped_worker_is_declared_stalled_and_stays_dead(tiny_model):
         llm.shutdown()
 
 
+@pytest.mark.slow  # waits out a stall deadline
 def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tmp_path):
     """Non-streamed requests get nothing until they finish; the engine's heartbeats carry its
     steps meanwhile, so a batch that runs for many stall timeouts lives. The batch is long
@@ -164,6 +165,7 @@ def test_stall_timeouts_are_checked_and_the_first_step_gets_longer():
             EngineConfig(model="m", **bad)
 
 
+@pytest.mark.slow  # waits out a stall deadline
 def test_the_first_step_after_load_gets_the_longer_bound(tiny_model):
     """A worker stopped before its first step: silent for three stall timeouts, it is still given
     the first step's bound, and is declared stalled only past it, saying which bound it broke."""

@@ -41,6 +41,7 @@ def rank_pids(llm: LLM) -> dict[int, int]:
     return {rank: pid for rank, pid, _ in identity.world}
 
 
+@pytest.mark.slow  # MPI worlds of two and three ranks
 @pytest.mark.parametrize(("checkpoint", "size"), [("tiny_model", 2), ("tiny_tp3", 3)])
 def test_greedy_tokens_of_a_world_equal_one_rank_and_transformers(checkpoint, size, request):
     path = request.getfixturevalue(checkpoint)

@@ -142,6 +142,7 @@ def forge_results(executor, message: StepResults) -> None:
         context.term()
 
 
+@pytest.mark.slow  # long generations in a worker process
 def test_a_response_its_request_cannot_apply_fails_that_request_alone(tiny_model):
     """A response the proxy cannot apply to its request (here: for a sequence the request does
     not have) fails that request alone with an internal error, the engine aborts it, and the

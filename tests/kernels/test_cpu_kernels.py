@@ -328,6 +328,7 @@ def test_oneDNN_packed_shapes_of_a_real_model_pass_their_check_here(dtype, out_f
     assert cpu_ops._onednn_verified(weight, torch.ops.mkldnn._reorder_linear_weight(weight, None))
 
 
+@pytest.mark.slow  # the whole file again in a process with every kernel rebuilt for AVX2
 @pytest.mark.skipif(not GEMM_C_HERE or build.isa() != "native", reason="needs AVX2, not forced to it")
 def test_the_avx2_path_passes_these_tests_too_on_a_cpu_with_more():
     """`BERTH_CPU_ISA=avx2`: every kernel built for AVX2 + FMA and gemm.c for both dtypes, as on

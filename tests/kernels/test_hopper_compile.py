@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "support" / "hopper_compile.py"
 
 
+@pytest.mark.slow  # compiles every Triton kernel for sm_90
 def test_every_kernel_compiles_for_sm90_in_every_dtype():
     # In a process of its own: this one runs Triton in its interpreter (kernels/conftest.py).
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}

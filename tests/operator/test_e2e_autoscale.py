@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client import generate_latest
 
 from berth.operator import naming
@@ -106,6 +107,7 @@ def busy(ip: str) -> bool:
     )
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_load_adds_worlds_up_to_max_then_idle_worlds_sleep_and_are_released(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -224,6 +226,7 @@ def scaling_status(change: Change) -> dict:
     return (change.object.get("status") or {}).get("autoscaling") or {}
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_load_gone_scales_down_only_after_the_stabilization_window_and_never_flaps(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:

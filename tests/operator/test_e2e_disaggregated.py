@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 import psutil
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -110,6 +111,7 @@ async def streamed_text(url: str, request: dict[str, Any]) -> str:
     return text
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_a_disaggregated_deployment_answers_through_its_router_as_one_engine_would(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
 
 from berth.operator import naming
 from tests.operator.test_cluster_kubelet import create, pod
@@ -29,6 +30,7 @@ def connects(netns: str, address: str, port: int) -> bool:
     return result.returncode == 0
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_a_world_serves_behind_its_policies_and_another_deployment_reaches_only_its_api(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,6 +82,7 @@ async def answer(llmd: e2e.Deployed, index: int) -> str:
     return reply.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_in_place_swaps_on_real_pods_and_weights_that_fail_their_check_stop_the_rollout(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -158,6 +160,7 @@ async def test_in_place_swaps_on_real_pods_and_weights_that_fail_their_check_sto
     assert argocd_health(deployment)["status"] == "Degraded"
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_a_rolling_change_on_real_pods_replaces_one_drained_world_at_a_time(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -212,6 +215,7 @@ async def test_a_rolling_change_on_real_pods_replaces_one_drained_world_at_a_tim
     assert [run.exit_code for run in launcher_runs[:2]] == [0, 0], launcher_runs[:2]
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_sleep_wake_and_a_scale_down_that_drains_on_real_pods(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -293,6 +297,7 @@ async def test_sleep_wake_and_a_scale_down_that_drains_on_real_pods(
     assert pods == ["tiny-w0-0", "tiny-w0-launcher"]
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_a_sleep_schedule_parks_and_wakes_a_real_world_at_its_times(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:

@@ -100,6 +100,7 @@ def pods_running(kubelet: Kubelet, deployment: str) -> list[str]:
     return [runtime.name for runtime in kubelet.pods.values() if runtime.name.startswith(f"{deployment}-w")]
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_worker_pods_share_a_rack_and_a_world_one_node_holds_runs_on_one(
     cluster: Cluster, scheduler: Scheduler, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -118,6 +119,7 @@ async def test_worker_pods_share_a_rack_and_a_world_one_node_holds_runs_on_one(
         assert await rack.complete() and await pair.complete()
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_without_a_gang_scheduler_one_of_two_worlds_runs_and_the_other_holds_nothing(
     cluster: Cluster, scheduler: Scheduler, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -158,6 +160,7 @@ async def test_without_a_gang_scheduler_one_of_two_worlds_runs_and_the_other_hol
         assert waiting.world().get("restarts", 0) == 0
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_with_coscheduling_the_second_world_stays_unbound_until_the_first_goes(
     cluster: Cluster, scheduler: Scheduler, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -177,6 +180,7 @@ async def test_with_coscheduling_the_second_world_stays_unbound_until_the_first_
         assert set(two.nodes()) == {"second-w0-launcher", "second-w0-0", "second-w0-1"}
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_a_drain_moves_one_parked_world_at_a_time_while_the_other_serves(
     cluster: Cluster, scheduler: Scheduler, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -253,6 +257,7 @@ DETECTION_TIMEOUT = (
 )
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_a_launcher_on_a_lost_node_is_force_deleted_and_its_world_comes_back(
     cluster: Cluster, scheduler: Scheduler, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:

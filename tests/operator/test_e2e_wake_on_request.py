@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from berth.operator import naming
 from tests.support import e2e
@@ -54,6 +55,7 @@ async def streamed(url: str) -> tuple[float, str, int]:
     return first if first is not None else float("nan"), text, 200
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_requests_to_a_sleeping_or_released_deployment_wake_it_and_are_answered(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,6 +46,7 @@ HEALTH = e2e.FAST_HEALTH
 START_TIMEOUT = 120.0
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_the_rendered_pods_run_and_a_launcher_that_cannot_start_is_visible(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -105,6 +107,7 @@ async def test_the_rendered_pods_run_and_a_launcher_that_cannot_start_is_visible
         assert processes_in(namespace) == [], f"processes of a deleted pod survived ({namespace})"
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_an_applied_world_serves_the_greedy_tokens_of_transformers(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -128,6 +131,7 @@ async def test_an_applied_world_serves_the_greedy_tokens_of_transformers(
     assert reply.json()["choices"][0]["text"] == tokenizer.decode(expected)
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_kill_9_of_a_rank_in_a_worker_pod_restarts_the_whole_world_and_its_frontend_serves_again(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -210,6 +214,7 @@ async def test_kill_9_of_a_rank_in_a_worker_pod_restarts_the_whole_world_and_its
         assert frontend()["metadata"]["uid"] == frontend_uid and len(llmd.executions("frontend")) == 1
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_a_stopped_rank_in_a_worker_pod_stalls_its_world_and_the_operator_restarts_it(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:
@@ -299,6 +304,7 @@ def role_template(role: str) -> dict:
     }
 
 
+@pytest.mark.slow  # a real world of pods on the test kubelet: engine starts, health polls and drains
 async def test_every_command_the_renderer_emits_runs_and_becomes_ready(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:

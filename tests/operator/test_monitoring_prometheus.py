@@ -120,6 +120,7 @@ def operator_metrics_port():
     thread.join(5)
 
 
+@pytest.mark.slow  # a real Prometheus scraping a served world
 async def test_every_dashboard_query_and_alert_against_a_real_prometheus(
     cluster: Cluster,
     sim: ClusterSim,

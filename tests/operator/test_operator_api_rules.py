@@ -110,6 +110,7 @@ async def test_a_name_that_can_never_work_is_degraded_once_not_retried(
     assert cluster.names("apps/v1/statefulsets") == [] and cluster.names("v1/pods") == []
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_child_the_api_server_refuses_is_reported_and_retried(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -138,6 +139,7 @@ def reasons(cluster: Cluster, reason: str) -> list[str]:
     return [e.get("message", "") for e in cluster.objects("v1/events") if e.get("reason") == reason]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_values_the_server_rewrites_are_not_patched_forever(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -189,6 +191,7 @@ async def apply_one_world(cluster: Cluster, tmp_path: Path, **health: int) -> No
     await wait_for(lambda: world(cluster).get("phase") == "Ready", START_TIMEOUT, "Ready")
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_worker_only_change_replaces_the_world(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -212,6 +215,7 @@ async def test_a_worker_only_change_replaces_the_world(
     assert world(cluster)["restarts"] == 0  # a spec change spends no restart budget
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_restart_is_counted_once_when_its_status_write_or_its_deletions_fail(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:

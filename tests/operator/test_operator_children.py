@@ -9,6 +9,7 @@ import asyncio
 import base64
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client import REGISTRY
 
@@ -84,6 +85,7 @@ def event_reasons(cluster: Cluster, name: str = "llama") -> list[tuple[str, str]
     ]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet
 ) -> None:
@@ -205,6 +207,7 @@ async def test_apply_example_creates_exactly_the_children_and_becomes_ready(
     assert any(reason == "WorldReady" for reason, _ in reasons)
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_operator_restarted_half_way_creates_no_duplicates(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet
 ) -> None:
@@ -243,6 +246,7 @@ async def test_operator_restarted_half_way_creates_no_duplicates(
     assert versions(cluster) == settled
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_deleting_the_llmdeployment_removes_everything_it_owned(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet
 ) -> None:
@@ -268,6 +272,7 @@ async def test_deleting_the_llmdeployment_removes_everything_it_owned(
     await wait_for(fleet.all_stopped, 30, "every launcher's server stopped")
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_children_changed_behind_the_operators_back_are_repaired(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:

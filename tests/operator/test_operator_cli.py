@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.cluster import Cluster, wait_for
 from tests.support.engine_endpoint import free_port
@@ -26,6 +27,7 @@ async def answers(url: str, needle: str = "") -> bool:
     return False
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_berth_operator_process_serves_liveness_metrics_and_reconciles(cluster: Cluster) -> None:
     metrics_port, liveness_port = free_port(), free_port()
     liveness = f"http://127.0.0.1:{liveness_port}/healthz"

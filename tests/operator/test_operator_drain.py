@@ -153,6 +153,7 @@ async def test_the_emulator_evicts_through_budgets_as_an_api_server_does(cluster
     assert created["metadata"]["name"] == "p1"
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_drain_evicts_one_parked_world_at_a_time_while_the_other_serves(
     cluster: Cluster, scheduled: Scheduler, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -223,6 +224,7 @@ async def test_a_drain_evicts_one_parked_world_at_a_time_while_the_other_serves(
     ]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_world_on_a_cordoned_node_that_is_uncordoned_is_woken_where_it_is(
     cluster: Cluster, scheduled: Scheduler, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -246,6 +248,7 @@ async def test_a_world_on_a_cordoned_node_that_is_uncordoned_is_woken_where_it_i
     ]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_an_operator_restarted_mid_drain_resumes_from_status_without_counting_a_restart(
     cluster: Cluster, nodes: Scheduler, fleet: EngineFleet, tmp_path: Path
 ) -> None:

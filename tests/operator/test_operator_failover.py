@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from berth.operator.restarts import parse_time
 from tests.operator.test_operator_cli import answers
 from tests.operator.test_operator_rbac import OPERATOR_AGENTS, install
@@ -115,6 +117,7 @@ async def cut_off_exits_in_time(
     assert exited < last + dt.timedelta(seconds=LEASE_SECONDS), (exited, last)
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_the_standby_takes_over_a_rollout_from_a_killed_leader_and_repeats_nothing(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -170,6 +173,7 @@ async def test_the_standby_takes_over_a_rollout_from_a_killed_leader_and_repeats
     assert "lost the lease" in log, log[-3000:]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_blocked_leader_keeps_its_lease_and_one_cut_off_while_blocked_still_exits_in_time(
     cluster: Cluster, tmp_path: Path
 ) -> None:

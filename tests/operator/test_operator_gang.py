@@ -113,6 +113,7 @@ def bound(cluster: Cluster, name: str) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_without_a_gang_scheduler_berth_releases_the_world_that_does_not_fit_whole(
     cluster: Cluster, scheduled: Scheduler, tmp_path: Path
 ) -> None:
@@ -160,6 +161,7 @@ async def test_without_a_gang_scheduler_berth_releases_the_world_that_does_not_f
     assert retry is not None and scheduled.gpus_held("default", waiting) == 4
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_with_coscheduling_the_second_world_holds_nothing_until_the_first_goes(
     cluster: Cluster, scheduled: Scheduler, tmp_path: Path
 ) -> None:
@@ -184,6 +186,7 @@ async def test_with_coscheduling_the_second_world_holds_nothing_until_the_first_
     assert set(bound(cluster, "second")) == {"second-w0-launcher", "second-w0-0", "second-w0-1"}
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_launcher_on_a_lost_node_is_force_deleted_and_its_world_comes_back(
     cluster: Cluster, scheduled: Scheduler, tmp_path: Path
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import yaml
 
 from berth.operator import model_volume
@@ -85,6 +86,7 @@ def volume_condition(cluster: Cluster) -> dict[str, Any]:
     return next((c for c in conditions if c["type"] == model_volume.CONDITION), {})
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_the_operator_reads_the_claim_and_a_refused_read_breaks_nothing(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet
 ) -> None:

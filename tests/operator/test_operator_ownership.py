@@ -10,6 +10,7 @@ import base64
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from berth.operator import naming
@@ -46,6 +47,7 @@ def version(cluster: Cluster, resource: str, name: str) -> str:
     return cluster.get(resource, name)["metadata"]["resourceVersion"]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_objects_it_does_not_control_are_left_alone_and_the_other_worlds_run(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -154,6 +156,7 @@ async def test_objects_it_does_not_control_are_left_alone_and_the_other_worlds_r
         )
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_secret_it_did_not_create_is_never_read_or_mounted(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:

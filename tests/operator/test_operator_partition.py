@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import pytest
 import yaml
 
 from berth.operator import naming
@@ -84,6 +85,7 @@ async def operator_in(group: Path, cluster: Cluster, log: Path) -> AsyncIterator
             await process.wait()
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_serving_world_the_operator_cannot_reach_is_reported_not_restarted(
     cluster: Cluster, kubelet: Kubelet, models: Path, tmp_path: Path
 ) -> None:

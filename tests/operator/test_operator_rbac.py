@@ -118,6 +118,7 @@ def test_both_modes_grant_the_same_rules_and_the_namespaced_one_nothing_cluster_
     assert Authorizer(namespaced_docs).granted("elsewhere") == set()
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 @pytest.mark.parametrize("mode", ["cluster", "namespaced"])
 async def test_the_operator_runs_under_exactly_the_shipped_rules(
     mode: str, cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.support.cluster import Cluster, ClusterSim, wait_for
@@ -27,6 +28,7 @@ def worlds(cluster: Cluster) -> list[dict[str, Any]]:
     return ((cluster.get(LLMD, "llama") or {}).get("status") or {}).get("worlds") or [{}, {}]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_world_whose_pod_is_forbidden_is_reported_and_the_other_world_is_still_restarted(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -73,6 +75,7 @@ async def test_a_world_whose_pod_is_forbidden_is_reported_and_the_other_world_is
     assert "apiErrors" not in worlds(cluster)[0]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_an_immutable_statefulset_field_replaces_the_worlds_statefulset_after_a_drain(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 import yaml
 from prometheus_client import REGISTRY
@@ -180,6 +181,7 @@ def on_current_spec(cluster: Cluster) -> bool:
     )
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_rolling_change_drains_one_world_at_a_time_and_fails_no_request(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -281,6 +283,7 @@ async def served_completions(
     return [choice["text"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_an_in_place_weight_swap_keeps_pods_and_processes_and_serves_the_new_weights(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -343,6 +346,7 @@ async def test_an_in_place_weight_swap_keeps_pods_and_processes_and_serves_the_n
     assert rewritten == [rewritten_expected, rewritten_expected] and rewritten_expected != expected
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_an_operator_killed_mid_rollout_resumes_without_skipping_or_repeating(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -416,6 +420,7 @@ async def test_an_operator_killed_mid_rollout_resumes_without_skipping_or_repeat
     ]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_rolling_change_while_the_worlds_sleep_replaces_each_in_turn_and_they_sleep_again(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -460,6 +465,7 @@ async def test_a_rolling_change_while_the_worlds_sleep_replaces_each_in_turn_and
         assert (await fleet.for_pod(LAUNCHERS[index]).get("/admin/state")).json()["admission"] == "parked"
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_an_operator_restarted_after_a_rollout_stopped_keeps_it_stopped(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:

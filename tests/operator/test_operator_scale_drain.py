@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from tests.support.cluster import Cluster, ClusterSim, wait_for
@@ -41,6 +42,7 @@ async def complete(client: httpx.AsyncClient, url: str, model: str) -> tuple[dic
     return {"status": response.status_code, **response.json()}, time.monotonic()
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_scale_down_drains_the_removed_worlds_before_their_pods_go(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:

@@ -56,6 +56,7 @@ def test_spec_env_from_a_secret_is_rendered_as_a_reference() -> None:
         assert api_key in pod["containers"][0]["env"]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_no_secret_value_reaches_a_pod_spec_an_object_or_a_log_line(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

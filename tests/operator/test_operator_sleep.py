@@ -8,6 +8,7 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from prometheus_client import REGISTRY
 
@@ -84,6 +85,7 @@ async def patch_spec(cluster: Cluster, spec: dict[str, Any]) -> None:
     await cluster.kubectl("patch", "llmd", "llama", "--type=merge", "-p", yaml.safe_dump({"spec": spec}))
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_manual_sleep_is_suspended_then_wakes_healthy_in_the_same_processes(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -148,6 +150,7 @@ async def test_manual_sleep_is_suspended_then_wakes_healthy_in_the_same_processe
     assert argocd_health(asleep_object) == {"status": "Suspended", "message": sleeping_message}
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_schedule_fires_at_its_time_not_a_poll_later(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:

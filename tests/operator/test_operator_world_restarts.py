@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from prometheus_client import REGISTRY
 
@@ -105,6 +106,7 @@ async def phase_recorder(cluster: Cluster) -> AsyncIterator[list[str]]:
         yield seen
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_kill_9_of_the_engine_restarts_the_whole_world(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -151,6 +153,7 @@ async def test_kill_9_of_the_engine_restarts_the_whole_world(
     assert condition(cluster, "Ready")["status"] == "True"
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_stalled_engine_restarts_the_world_with_reason_stalled(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -188,6 +191,7 @@ async def test_a_stalled_engine_restarts_the_world_with_reason_stalled(
     assert restarts_metric("Stalled") == before + 1
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_repeated_deaths_back_off_then_exhaust_the_budget(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:
@@ -232,6 +236,7 @@ async def test_repeated_deaths_back_off_then_exhaust_the_budget(
     assert warnings(cluster, "RestartBudgetExhausted") == [f"world 0 gave up after EngineDead: {error}"]
 
 
+@pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_a_failed_worker_pod_restarts_the_world(
     cluster: Cluster, sim: ClusterSim, fleet: EngineFleet, tmp_path: Path
 ) -> None:

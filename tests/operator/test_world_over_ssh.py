@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from berth.operator import credentials, naming, render
 from berth.operator.crd_model import parse_spec
 from berth.operator.kube import resource_path
@@ -43,6 +45,7 @@ async def run(*argv: str) -> tuple[int, str]:
     return process.returncode, out.decode()
 
 
+@pytest.mark.slow  # mpirun over ssh into worker pods on the test kubelet
 async def test_mpirun_starts_the_ranks_in_the_worker_pods_over_ssh(
     cluster: Cluster, controllers: ClusterSim, kubelet: Kubelet, tmp_path: Path
 ) -> None:

@@ -75,6 +75,7 @@ def test_launch_help_names_its_world_options():
     assert "--max-batch-size" in result.stdout  # and every option of berth serve
 
 
+@pytest.mark.slow  # `berth launch` of an MPI world
 def test_bad_launch_arguments_are_refused_before_anything_starts(tiny_model, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("w0-0.w.default.svc:1\n")

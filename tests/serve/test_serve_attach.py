@@ -161,6 +161,7 @@ def successes(server: ServerProcess) -> float:
 # ---- one engine, two frontends --------------------------------------------------------------------
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_two_frontends_serve_64_concurrent_streams_each_getting_its_own(world):
     owner, (a, b) = world
     bodies = [
@@ -241,6 +242,7 @@ def test_an_unsigned_or_wrongly_signed_attach_is_refused_before_unpickling(world
         assert server.get("/health").status_code == 200
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_a_frontend_that_closes_aborts_its_own_requests_only(world):
     owner, (a, _) = world
     llm = LLM.attach(owner.attach_address, key=bytes.fromhex(KEY))  # a frontend in this process
@@ -321,6 +323,7 @@ def test_frontends_follow_the_owners_sleep_and_wakeup_and_cannot_drive_them(worl
     assert owner.admin_state()["admission"] == "running"
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_kill_9_of_a_frontend_aborts_exactly_its_requests(world):
     owner, (a, b) = world
     body = completion(prompt="a long one", max_tokens=LONG, ignore_eos=True)
@@ -353,6 +356,7 @@ def serving(server: ServerProcess) -> bool:
     return response.status_code == 200 and server.get("/ready").status_code == 200
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_frontends_outlive_their_world_and_attach_to_the_next(tiny_model, tmp_path):
     # 6,000 tokens: CI saw a 900-token stream end inside the second owner's half-second drain.
     tiny_model, longest = long_context_copy(tiny_model, tmp_path, 8192), 6000
@@ -432,6 +436,7 @@ def test_a_weight_swap_to_another_tokenizer_sends_the_frontends_to_attach_again(
 DRAIN_TOKENS = LONG
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_sigterm_on_the_owner_drains_every_frontends_streams_then_exits_0(tiny_model):
     """SIGTERM to the owner stops admission for every frontend at once (503 + Retry-After, not
     ready), lets the 16 streams the two frontends have in flight finish, and only then shuts the
@@ -472,6 +477,7 @@ def test_sigterm_on_the_owner_drains_every_frontends_streams_then_exits_0(tiny_m
 SWAP_PROMPTS = ("rivers and stars", "bread in the rain", "owls over glass", "maps of engines")
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_a_wakeup_with_another_tokenizer_never_serves_a_request_with_the_wrong_one(tiny_model, tmp_path):
     """Requests fired at the owner and a frontend all through wakeups that swap in a revision
     with another vocabulary (and back, and again): every answer is the revision's own (its

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -44,6 +45,7 @@ def bench_serve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow  # `berth bench serve` against servers it starts (two setups per run)
 def test_bench_serve_reports_latencies_throughput_and_the_offline_ratio(tiny_model, tmp_path):
     plot = tmp_path / "latency.png"
     result = bench_serve(
@@ -73,6 +75,7 @@ def test_bench_serve_refuses_bad_arguments(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # `berth bench serve` against servers it starts (two setups per run)
 def test_bench_serve_compares_frontends_and_postprocess_workers_with_the_single_process_server(tiny_model):
     result = bench_serve(
         str(tiny_model), "--num-requests", "8", "--input-len", "4", "8", "--output-len", "4", "8",
@@ -120,6 +123,7 @@ def bench_against_one_server(model, num_requests: int, *args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # `berth bench serve` against servers it starts (two setups per run)
 def test_bench_serve_compares_the_enqueue_window_on_and_off_in_one_run(tiny_model):
     stdout = bench_against_one_server(
         tiny_model,
@@ -146,6 +150,7 @@ def test_bench_serve_compares_the_enqueue_window_on_and_off_in_one_run(tiny_mode
     assert re.search(r"^Output throughput \(tok/s\):\s+[\d.]+\s+[\d.]+$", stdout, re.MULTILINE)
 
 
+@pytest.mark.slow  # `berth bench serve` against servers it starts (two setups per run)
 def test_bench_serve_compares_disaggregated_serving_with_one_server(tiny_model):
     stdout = bench_against_one_server(tiny_model, 6, "--disaggregated")
     single, split = stdout.split(" Serving Benchmark Result: ")[1:]
@@ -199,6 +204,7 @@ def openai_stub() -> FastAPI:
 STUB_KEY = "stub-key"
 
 
+@pytest.mark.slow  # `berth bench serve` against servers it starts (two setups per run)
 def test_bench_serve_measures_a_server_that_is_not_berth(tiny_model):
     """Its keep-alive probe falls back to `/v1/models` (with the API key) where `/live` is 404."""
     app = openai_stub()

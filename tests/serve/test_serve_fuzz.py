@@ -51,6 +51,7 @@ def test_every_operation_of_the_document_is_fuzzed(openapi):
 
 # Generous bounds: a valid case may ask for many long choices, and a loaded CI machine runs the
 # engine several times slower than a quiet one.
+@pytest.mark.slow  # hundreds of generated requests against a server
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     ("method", "path", "mode", "examples"), CASES, ids=[f"{m} {p} {g.value}" for m, p, g, _ in CASES]

@@ -17,6 +17,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.server_process import ENGINE_ARGS, ServerProcess
@@ -117,6 +118,7 @@ def test_health_readiness_and_requests_after_kill_9_of_the_engine(tiny_model):
         server.stop()
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_a_stopped_engine_is_reported_stalled_and_stays_dead(tiny_model):
     """SIGSTOP leaves the worker alive and silent: `/health` turns 503 with reason "stalled"
     within the stall timeout, the request in flight gets its error, and SIGCONT revives

@@ -58,6 +58,7 @@ class Stream:
         }
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 @pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
 def test_a_stop_signal_drains_the_request_in_flight_then_exits_0(tiny_model, tmp_path, stop):
     """Ctrl-C reaches the engine worker too: it must leave the drain to the server."""

@@ -73,6 +73,7 @@ def host_available() -> int:
     return host.available
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_pool_sized_under_the_cgroup_limit_survives_load_that_writes_every_block(long_context_model):
     limit = LIMIT
     assert limit * 4 < host_available(), "the test needs a limit well below the host's free memory"

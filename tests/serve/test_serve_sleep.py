@@ -108,6 +108,7 @@ def completion_tokens(stream: Stream) -> int:
     return next(e["usage"]["completion_tokens"] for e in reversed(stream.events) if isinstance(e, dict))
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_a_drain_lets_32_streams_finish_while_new_requests_get_503(sleeper):
     streams = start_streams(sleeper, max_tokens=300)  # outlasting the sleep's way to the engine
     asleep, outcome = in_background(lambda: admin(sleeper, "/admin/sleep", {"mode": "drain", "timeout": 300}))
@@ -341,6 +342,7 @@ def test_a_wakeup_that_cannot_restore_the_engine_leaves_it_dead_and_health_says_
         server.stop()
 
 
+@pytest.mark.slow  # `berth serve` processes started, driven and stopped
 def test_a_wakeup_whose_weight_read_hangs_is_declared_stalled_within_its_deadline(tiny_model, tmp_path):
     """A level-2 wakeup reads its weights from the model directory; here opening them never
     returns (a file held by a lease nobody gives up: `HungFile`, what a hung network mount does).

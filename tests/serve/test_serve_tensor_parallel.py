@@ -130,6 +130,7 @@ def assert_dead(server: ServerProcess) -> None:
 # ---- berth serve --tensor-parallel-size --------------------------------------------------------------
 
 
+@pytest.mark.slow  # `berth serve` of an MPI world
 def test_a_served_world_answers_as_one_rank(tiny_model, llama_answers):
     prompts, expected = llama_answers
     server = ServerProcess(
@@ -173,6 +174,7 @@ def test_a_killed_server_takes_its_world_with_it(tiny_model):
 # ---- berth launch ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # `berth serve` of an MPI world
 def test_launch_on_a_hostfile_naming_this_machine_answers_as_one_rank(tiny_tp3, tp3_answers, tmp_path):
     prompts, expected = tp3_answers
     hostfile = tmp_path / "hostfile"

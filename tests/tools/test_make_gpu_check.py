@@ -61,6 +61,7 @@ def dry_run(tmp_path_factory):
     return result, report, root
 
 
+@pytest.mark.slow  # every gpu-check step on the CPU, each in a process of its own
 def test_the_dry_run_passes_every_check_and_prints_one_table(dry_run):
     result, report, _ = dry_run
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
