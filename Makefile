@@ -67,9 +67,9 @@ demo: real-model
 	$(BIN)/python examples/openai_client.py --base-url $$url/v1 --wait-ready 30
 
 # The suite in TEST_WORKERS processes (pytest-xdist): most operator tests wait on processes and
-# polls, not on the CPU. Two on two cores: three finished sooner (16 min against ~20) but starved
-# the timing-bound tests of CPU (six failed beside two busy loops). worksteal hands the slow tests
-# at the end of a worker's share to whichever worker is free.
+# polls, not on the CPU. Two on two cores: three finished sooner (pytest 16:07 against 18:27 on a
+# quiet machine) but starved the timing-bound tests of CPU (six failed beside two busy loops).
+# worksteal hands the slow tests at the end of a worker's share to whichever worker is free.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
