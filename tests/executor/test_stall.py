@@ -80,10 +80,10 @@ def test_a_stopped_worker_is_declared_stalled_and_stays_dead(tiny_model):
 def test_an_engine_that_answers_nobody_for_a_while_is_not_stalled(tmp_path):
     """Non-streamed requests get nothing until they finish; the engine's heartbeats carry its
     steps meanwhile, so a batch that runs for many stall timeouts lives. The batch is long
-    enough (1500 steps, seconds on any machine) to need them: nothing answers anyone for longer
-    than the stall timeout, and every check below runs on every machine. (Not longer: beside
-    busy processes 3000 steps of 8 sequences outlasted the waits below.)"""
-    timeout, tokens = 1.0, 1500
+    enough (3000 steps, seconds on any machine: 1500 ended in 0.9 s on a quiet one) to need them:
+    nothing answers anyone for longer than the stall timeout, and every check below runs on every
+    machine. The waits are long: beside busy processes 3000 steps of 8 sequences took minutes."""
+    timeout, tokens = 1.0, 3000
     model = make_tiny_model(tmp_path / "long", max_position_embeddings=tokens + 16)
     engine = ENGINE | {"stall_timeout": timeout, "kv_cache_blocks": 8 * (tokens + 16) // 16}
     with LLM(model, executor="proxy", **engine) as llm:
