@@ -264,11 +264,10 @@ def _onednn_verified(weight: torch.Tensor, packed: torch.Tensor) -> bool:
         if not ok:
             logger.warning(
                 "oneDNN's packed %s GEMM for a %d x %d weight is off by %.3g (relative) on this CPU: "
-                "that weight uses %s instead",
+                "weights of that shape run on gemm.c (bfloat16) or torch's GEMM instead",
                 str(weight.dtype).removeprefix("torch."),
                 *weight.shape,
                 worst,
-                "gemm.c" if weight.dtype == torch.bfloat16 and _gemm_c_available() else "torch's GEMM",
             )
     return _verified_shapes[key]
 

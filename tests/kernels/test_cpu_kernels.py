@@ -293,7 +293,10 @@ def test_a_build_is_cached_and_reused(monkeypatch, tmp_path):
         build.load.cache_clear()
 
 
-@pytest.mark.skipif(not cpu_ops.onednn_packs(torch.float32), reason="oneDNN packs nothing here")
+@pytest.mark.skipif(
+    not cpu_ops.onednn_packs(torch.float32),
+    reason="this torch has no oneDNN (mkldnn): no packed GEMM to check",
+)
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if cpu_ops.onednn_packs(d)])
 def test_a_packed_onednn_gemm_that_gives_another_answer_is_not_used(monkeypatch, caplog, dtype):
     """oneDNN trusts the packed layout at every row count; where it reads it otherwise than it
@@ -318,7 +321,10 @@ def test_a_packed_onednn_gemm_that_gives_another_answer_is_not_used(monkeypatch,
     close(cpu_ops.linear(x, weight, None, packed), F.linear(x, weight), atol=atol, rtol=1e-2)
 
 
-@pytest.mark.skipif(not cpu_ops.onednn_packs(torch.float32), reason="oneDNN packs nothing here")
+@pytest.mark.skipif(
+    not cpu_ops.onednn_packs(torch.float32),
+    reason="this torch has no oneDNN (mkldnn): no packed GEMM to check",
+)
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if cpu_ops.onednn_packs(d)])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (3072, 576)])
 def test_oneDNN_packed_shapes_of_a_real_model_pass_their_check_here(dtype, out_features, in_features):
@@ -329,7 +335,10 @@ def test_oneDNN_packed_shapes_of_a_real_model_pass_their_check_here(dtype, out_f
 
 
 @pytest.mark.slow  # the whole file again in a process with every kernel rebuilt for AVX2
-@pytest.mark.skipif(not GEMM_C_HERE or build.isa() != "native", reason="needs AVX2, not forced to it")
+@pytest.mark.skipif(
+    not GEMM_C_HERE or build.isa() != "native",
+    reason="needs a CPU with AVX2 and FMA; under BERTH_CPU_ISA=avx2 this file already runs that way",
+)
 def test_the_avx2_path_passes_these_tests_too_on_a_cpu_with_more():
     """`BERTH_CPU_ISA=avx2`: every kernel built for AVX2 + FMA and gemm.c for both dtypes, as on
     an AVX2-only CPU, through this whole file in a process of its own (where
