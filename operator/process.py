@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -89,13 +89,19 @@ async def run(args: argparse.Namespace, memo: dict[str, Any] | None = None) -> i
         loop.add_signal_handler(signum, stop.set)
     async with LeaseThread() as lease:
         kube = await lease.run(Kube.connect(args.kubeconfig))
+        elector = LeaseElector(kube, lease_namespace(args), identity(), **given)
+        leading = asyncio.Event()
+        stopped = threading.Event()  # kopf has stopped after the Lease was lost
+        campaign = lease.start(_campaign(elector, lambda: loop.call_soon_threadsafe(leading.set), stopped))
         try:
-            elector = LeaseElector(kube, lease_namespace(args), identity(), **given)
             async with standby_liveness(args.liveness):
-                if not await _first(lease.run(elector.acquire()), stop.wait()):
+                if not await _first(leading.wait(), stop.wait(), campaign):
                     return 0  # stopped while standing by
-            return await _lead(args, elector, lease, stop, memo or {})
+            return await _lead(args, elector, lease, campaign, stopped, stop, memo or {})
         finally:
+            campaign.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await campaign
             await lease.run(kube.close())
 
 
@@ -118,16 +124,24 @@ class LeaseThread:
         if not self._thread.is_alive():
             self.loop.close()
 
+    def start(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Future:
+        """Runs `coroutine` on this thread's loop from now on, whatever the caller's loop does
+        next; cancelling the returned future cancels it."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
+
     async def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         """`coroutine`'s result, run on this thread's loop (cancelling the caller cancels it)."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self.loop))
+        return await self.start(coroutine)
 
 
-async def _first(wanted, other) -> bool:
-    """Runs both; True when `wanted` finished first (the other is cancelled either way)."""
-    tasks = [asyncio.ensure_future(wanted), asyncio.ensure_future(other)]
+async def _first(wanted, *others) -> bool:
+    """Runs them all; True when `wanted` finished first (the others are cancelled, unless they
+    are futures that the caller keeps, and an error in any that finished is raised)."""
+    tasks = [asyncio.ensure_future(wanted), *(asyncio.ensure_future(other) for other in others)]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
+        if task in others:
+            continue
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -137,7 +151,13 @@ async def _first(wanted, other) -> bool:
 
 
 async def _lead(
-    args: argparse.Namespace, elector: LeaseElector, lease: LeaseThread, stop: asyncio.Event, memo: dict
+    args: argparse.Namespace,
+    elector: LeaseElector,
+    lease: LeaseThread,
+    campaign: asyncio.Future,
+    stopped: threading.Event,
+    stop: asyncio.Event,
+    memo: dict,
 ) -> int:
     operator = asyncio.ensure_future(
         kopf.operator(
@@ -149,10 +169,8 @@ async def _lead(
             memo=kopf.Memo(kubeconfig=args.kubeconfig, **memo),
         )
     )
-    stopped = threading.Event()  # kopf has stopped after the Lease was lost
-    holding = asyncio.ensure_future(lease.run(_hold(elector, stopped)))
-    await asyncio.wait({operator, holding}, return_when=asyncio.FIRST_COMPLETED)
-    if holding.done():
+    await asyncio.wait({operator, campaign}, return_when=asyncio.FIRST_COMPLETED)
+    if campaign.done():
         stop.set()
         try:
             await operator
@@ -161,17 +179,21 @@ async def _lead(
         finally:
             stopped.set()
         return 1
-    holding.cancel()
+    campaign.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        await holding
+        await campaign
     await lease.run(elector.release())
     operator.result()
     return 0
 
 
-async def _hold(elector: LeaseElector, stopped: threading.Event) -> None:
-    """Holds the Lease until it is lost; then, on the election's loop (which kopf's load cannot
-    delay), gives kopf STOP_GRACE to stop before the process is ended."""
+async def _campaign(elector: LeaseElector, leading: Callable[[], None], stopped: threading.Event) -> None:
+    """On the election's loop from start to end: waits for the Lease, says so, and renews it at
+    once (not once kopf's loop gets round to asking: a loop blocked right after the Lease was
+    taken would otherwise let it lapse). Once it is lost, gives kopf STOP_GRACE to stop before
+    the process is ended; that loop cannot be delayed by kopf's load."""
+    await elector.acquire()
+    leading()
     await elector.hold()
     asyncio.get_running_loop().call_later(STOP_GRACE, _exit_unless, stopped)
 

@@ -26,7 +26,6 @@ import math
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ import httpx
 from berth.operator import engine_admin
 from berth.operator.demand import DemandWatcher
 from berth.operator.health import Address
+from berth.ports import free_port, free_ports
 
 LOGGER = logging.getLogger("berth.bench.wake")
 
@@ -68,12 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return asyncio.run(_bench(args))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class _Process:
@@ -140,7 +134,7 @@ async def _bench(args: argparse.Namespace) -> int:
         "stream": True,
     }
     request["ignore_eos"] = True
-    activator_port, admin_port = _free_port(), _free_port()
+    activator_port, admin_port = free_ports(2)
     activator = _Process(
         [sys.executable, "-m", "berth", "activator", "--port", str(activator_port),
          "--admin-port", str(admin_port), "--wake-timeout", str(args.startup_timeout)],
@@ -165,7 +159,7 @@ async def _bench(args: argparse.Namespace) -> int:
         return held
 
     async def start_world() -> tuple[str, Address, float]:
-        port = _free_port()
+        port = free_port()
         started = time.monotonic()
         world = _Process(
             [sys.executable, "-m", "berth", "serve", args.model, "--host", "127.0.0.1", "--port", str(port),

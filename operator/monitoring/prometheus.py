@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,6 +14,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from berth.ports import free_port
 
 READY_TIMEOUT = 30.0
 
@@ -73,12 +74,6 @@ def all_finite(result: list[dict[str, Any]]) -> bool:
     return bool(result) and all(math.isfinite(value) for value in values(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_prometheus(config: dict[str, Any], workdir: Path) -> Iterator[Prometheus]:
     """Prometheus with `config` (rule_files relative to `workdir`), stopped on exit."""
@@ -88,7 +83,7 @@ def running_prometheus(config: dict[str, Any], workdir: Path) -> Iterator[Promet
     workdir.mkdir(parents=True, exist_ok=True)
     config_file = workdir / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    port = _free_port()
+    port = free_port()
     log = (workdir / "prometheus.log").open("wb")
     process = subprocess.Popen(
         [

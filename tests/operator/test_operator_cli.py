@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import Cluster, wait_for
-from tests.support.engine_endpoint import free_port
+from tests.support.engine_endpoint import free_ports
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"
 
@@ -29,7 +29,7 @@ async def answers(url: str, needle: str = "") -> bool:
 
 @pytest.mark.slow  # kopf against the emulator through several health rounds, drains or restarts
 async def test_berth_operator_process_serves_liveness_metrics_and_reconciles(cluster: Cluster) -> None:
-    metrics_port, liveness_port = free_port(), free_port()
+    metrics_port, liveness_port = free_ports(2)
     liveness = f"http://127.0.0.1:{liveness_port}/healthz"
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     counted = 'berth_operator_reconciles_total{result="success"} 1.0'

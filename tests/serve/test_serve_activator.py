@@ -17,7 +17,7 @@ import pytest
 from berth.engine.serve.activator import Activator
 from berth.engine.serve.errors import APIError
 from tests.serve.server_process import API_KEY, MODEL_NAME, ServerProcess
-from tests.support.engine_endpoint import free_port
+from tests.support.engine_endpoint import free_ports
 from tests.support.engine_processes import wait_until
 
 TOKEN = "activator-admin"
@@ -80,7 +80,7 @@ async def test_the_operators_long_poll_returns_as_soon_as_a_request_is_held() ->
 def test_the_activator_process_holds_then_forwards_streams_and_guards_its_admin_port(
     server: ServerProcess,
 ) -> None:
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_ports(2)
     env = {**os.environ, "BERTH_ADMIN_TOKEN": TOKEN}
     command = [
         sys.executable,

@@ -13,7 +13,6 @@ import base64
 import contextlib
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import httpx
 
 from berth.operator import render
 from berth.operator.health import Address
+from berth.ports import free_port, free_ports  # noqa: F401  (tests import them from here)
 from tests.support.engine_processes import pid_alive
 
 ADMIN_TOKEN = "test-admin-token"
@@ -33,12 +33,6 @@ START_TIMEOUT = 90.0
 STOP_TIMEOUT = 10.0
 # Small engine options: the tests only need the engine to live, answer and die.
 ENGINE_OPTIONS = ("--kv-blocks", "32", "--max-batch-size", "4", "--shutdown-timeout", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_command(
@@ -137,7 +131,7 @@ async def start_engine_endpoint(
 ) -> EngineEndpoint:
     """Start `berth serve` on a free 127.0.0.1 port, its admin routes on another (as a launcher
     pod's are); returns at once (see `wait_up`)."""
-    host, port, admin_port = "127.0.0.1", free_port(), free_port()
+    host, (port, admin_port) = "127.0.0.1", free_ports(2)
     process = await asyncio.create_subprocess_exec(
         *server_command(model, host, port, extra_args, admin_port),
         env={**os.environ, "BERTH_ADMIN_TOKEN": admin_token, **(env or {})},
