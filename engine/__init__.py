@@ -13,6 +13,7 @@ else:
     _EXPORTS = {
         "LLM": "berth.engine.llm",
         "SamplingParams": "berth.engine.sampling_params",
+        "StructuredOutputs": "berth.engine.structured_outputs",
         "RequestOutput": "berth.engine.outputs",
         "CompletionOutput": "berth.engine.outputs",
         "EngineConfig": "berth.engine.config",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -281,6 +281,8 @@ class Response:
     error: RequestError | None = None  # the whole request failed
     queue_seconds: float | None = None  # on a sequence's first response: arrival -> first scheduled
     kv_handle: KVHandle | None = None  # a context-only request's, on its last response
+    # On a sequence's first response: prompt tokens the prefix cache held when it was admitted.
+    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,6 +447,17 @@ class EngineLimits:
                 param="prompt",
             )
 
+    def check_logit_bias(self, logit_bias: Iterable[int] | None) -> None:
+        """A bias on a token the model does not have is a mistake (another model's ids), not a
+        no-op: refused, as a prompt's would be."""
+        outside = sorted(token for token in logit_bias or () if token >= self.vocab_size)
+        if outside:
+            raise RequestError(
+                f"logit_bias token id {outside[0]} is out of range for the vocabulary "
+                f"(size {self.vocab_size})",
+                param="logit_bias",
+            )
+
     def check_n(self, n: int) -> None:
         if n > self.max_batch_size:
             raise RequestError(
@@ -507,6 +520,7 @@ class EngineLimits:
         """Every model- and pool-dependent check of one request; returns its output budget."""
         self.check_prompt(request.prompt_token_ids)
         self.check_n(request.sampling_params.n)
+        self.check_logit_bias(request.sampling_params.logit_bias)
         num_prompt = int(request.prompt_token_ids.size)
         max_tokens = self.output_budget(num_prompt, request.sampling_params.max_tokens)
         self.check_fits(num_prompt, max_tokens)

@@ -44,3 +44,5 @@ class RequestOutput:
     # A context-only request's handle to its pinned KV blocks, for GenerationOnly(handle) on
     # another engine; None when there is nothing more to generate (its first token ended it).
     kv_handle: KVHandle | None = None
+    # Prompt tokens the prefix cache held when the request was admitted (None: not known yet).
+    num_cached_tokens: int | None = None

@@ -51,6 +51,7 @@ class SequenceUpdate:
     engine_finished: bool = False
     error: RequestError | None = None  # the whole request failed
     queue_seconds: float | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held (first update)
     kv_handle: KVHandle | None = None  # a context-only request's (disaggregated)
 
 
@@ -84,6 +85,7 @@ class SequencePostprocessor:
             [],
             text_start=len(before),
             queue_seconds=response.queue_seconds,
+            num_cached_tokens=response.num_cached_tokens,
             engine_finished=response.finish_reason is not None,
             kv_handle=response.kv_handle,
         )

@@ -88,6 +88,7 @@ class GenerationResult:
         # Every asyncio consumer waiting for news (several may await or iterate one result).
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self.queue_seconds: float | None = None
+        self.num_cached_tokens: int | None = None  # the first sequence's to report it
         # The engine's clock (wall time) at each step that brought this request new tokens:
         # what inter-token latency is measured on, however the updates are consumed.
         self.token_step_times: list[float] = []
@@ -117,6 +118,8 @@ class GenerationResult:
                 update = response if isinstance(response, SequenceUpdate) else self._postprocess(response)
                 if update.queue_seconds is not None and self.queue_seconds is None:
                     self.queue_seconds = update.queue_seconds
+                if update.num_cached_tokens is not None and self.num_cached_tokens is None:
+                    self.num_cached_tokens = update.num_cached_tokens
                 if update.error is not None:
                     self._finish(update.error)
                     return stopped if update.engine_finished else [None]
@@ -257,6 +260,7 @@ class GenerationResult:
             outputs=outputs,
             finished=self._done,
             kv_handle=self._sequences[0].kv_handle,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 

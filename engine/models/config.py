@@ -61,6 +61,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()
+    # Where it was read from (its tokenizer is there too); "" for a config made in memory.
+    model_dir: str = ""
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -98,6 +100,7 @@ class ModelConfig:
             # Qwen2 always has QKV bias; Llama only when `attention_bias` says so.
             attention_bias=raw.get("attention_bias", raw.get("model_type") == "qwen2"),
             eos_token_ids=_eos_ids(raw, Path(model_dir)),
+            model_dir=str(model_dir),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
             sliding_windows=_sliding_windows(raw, num_layers),
             num_experts=num_experts,

@@ -165,6 +165,8 @@ class KVCacheManager:
         sequence.block_ids = list(prefix)
         sequence.num_computed_tokens = len(prefix) * self.block_size
         sequence.num_cached_blocks = len(prefix)
+        if sequence.num_cached_tokens is None:  # the first admission's: a re-admission is no new hit
+            sequence.num_cached_tokens = sequence.num_computed_tokens
         if self.enable_prefix_caching:
             self.prefix_cache_queries += sequence.num_tokens
             self.prefix_cache_hits += sequence.num_computed_tokens

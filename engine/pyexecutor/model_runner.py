@@ -39,9 +39,13 @@ class ModelRunner:
         """Runs one step. Returns logits [R, V] for the sequences whose every known token is now
         computed (they sample their next token), and those sequences, in row order."""
         inputs, samplers = self.prepare(scheduled)
+        return self.forward(inputs), samplers
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward pass of prepared inputs, on every rank (rank 0 sends them to the others)."""
         if self.tp.size > 1:
             step_inputs.broadcast(self.tp, inputs)
-        return self.run(inputs), samplers
+        return self.run(inputs)
 
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """The forward pass of one step; logits on rank 0, None on the other ranks."""

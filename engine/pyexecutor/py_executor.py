@@ -49,6 +49,7 @@ from berth.engine.models.parallel import SINGLE, TensorParallelGroup
 from berth.engine.pyexecutor import step_inputs
 from berth.engine.pyexecutor.disaggregation import Disaggregation, PullDone
 from berth.engine.pyexecutor.enqueue_window import EnqueueWindow
+from berth.engine.pyexecutor.grammar_masks import GrammarMasks
 from berth.engine.pyexecutor.kv_events import KVEventPublisher
 from berth.engine.pyexecutor.kv_transfer import PullRequest, ReleaseRequest
 from berth.engine.pyexecutor.model_runner import ModelRunner
@@ -94,6 +95,7 @@ class PyExecutor:
             ),
         )
         self.sampler = Sampler(config.seed)
+        self.grammar_masks = GrammarMasks(self.model_config)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.memory = rank_memory(model_runner, config)
         self._active: dict[int, list[Sequence]] = {}  # request_id -> its sequences
@@ -221,6 +223,7 @@ class PyExecutor:
             self.close_sockets()
 
     def close_sockets(self) -> None:
+        self.grammar_masks.close()
         if self.kv_events is not None:
             self.kv_events.close()
         self.disaggregation.close()
@@ -248,14 +251,16 @@ class PyExecutor:
         self.num_preemptions += len(out.preempted)
         if not out.scheduled:
             return []
-        logits, samplers = self.model_runner.execute(out.scheduled)
+        inputs, samplers = self.model_runner.prepare(out.scheduled)
+        masks = self.grammar_masks.start(samplers)  # on its thread while the forward pass runs
+        logits = self.model_runner.forward(inputs)
         self.num_steps += 1
         for sequence, num_new in out.scheduled:
             sequence.num_computed_tokens += num_new
         self.num_computed_tokens += out.num_tokens
         if not samplers:
             return []
-        sampled = self.sampler.sample(logits, samplers)
+        sampled = self.sampler.sample(logits, samplers, None if masks is None else masks.result())
         responses = []
         for i, sequence in enumerate(samplers):
             if sequence.finished:
@@ -358,10 +363,12 @@ class PyExecutor:
                     arrival_time=request.arrival_time,
                     cache_salt=request.cache_salt,
                     group=group,
+                    eos_token_ids=self.eos_token_ids,
                 )
             )
         for sequence in group:
             sequence.streaming = request.streaming or bool(params.stop_strings)
+        self.grammar_masks.attach(group, params)  # a grammar that does not compile fails it here
         if isinstance(request.disaggregated, ContextOnly):
             self.disaggregation.check_context_only(params.n)
             (only,) = group
@@ -402,6 +409,7 @@ class PyExecutor:
             response.queue_seconds = max(
                 0.0, (sequence.first_scheduled_time or time.time()) - sequence.arrival_time
             )
+            response.num_cached_tokens = sequence.num_cached_tokens
             sequence.sent_any = True
         sequence.num_sent_tokens += len(unsent)
         sequence.unsent_logprobs = []
@@ -496,6 +504,7 @@ class PyExecutor:
         """The model a wakeup swapped in (its end-of-sequence tokens may be other ones)."""
         self.model_config = model_config
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.grammar_masks.serve_model(model_config)
 
     @property
     def shutting_down(self) -> bool:

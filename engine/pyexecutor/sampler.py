@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from berth.engine.engine_io import TokenLogprobs
+from berth.engine.pyexecutor import logits_processors
+from berth.engine.pyexecutor.grammar_masks import StepMasks
 from berth.engine.pyexecutor.sequence import Sequence
 
 
@@ -27,12 +30,23 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, requests: list[Sequence]) -> SampleOutput:
-        """One token per row of `logits` [R, V] (float32), for `requests[r]`."""
+    def sample(
+        self, logits: torch.Tensor, requests: list[Sequence], masks: StepMasks | None = None
+    ) -> SampleOutput:
+        """One token per row of `logits` [R, V] (float32), for `requests[r]`; the rows `masks`
+        constrains (structured outputs) draw only what their grammar allows."""
+        out = self._sample_all(_constrained(logits, masks), requests, logits)
+        for row, problem in zip(masks.rows, masks.errors) if masks is not None else ():
+            if problem is not None:  # its output left the grammar: the request fails alone
+                out.token_ids[row], out.logprobs[row] = None, None
+                out.errors[row] = RuntimeError(problem)
+        return out
+
+    def _sample_all(self, logits: torch.Tensor, requests: list[Sequence], raw: torch.Tensor) -> SampleOutput:
         seeded = [r for r in requests if r.seed is not None]
         states = [None if r.generator is None else r.generator.get_state() for r in seeded]
         try:
-            return self._sample(logits, requests)
+            return self._sample(logits, requests, raw)
         except Exception as error:
             if len(requests) == 1:
                 raise
@@ -46,7 +60,7 @@ class Sampler:
         out = SampleOutput([None] * len(requests), [None] * len(requests), [None] * len(requests))
         for row, request in enumerate(requests):
             try:
-                alone = self._sample(logits[row : row + 1], [request])
+                alone = self._sample(logits[row : row + 1], [request], raw[row : row + 1])
             except Exception as error:
                 out.errors[row] = error
                 continue
@@ -55,7 +69,8 @@ class Sampler:
             raise batch_error
         return out
 
-    def _sample(self, logits: torch.Tensor, requests: list[Sequence]) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, requests: list[Sequence], raw: torch.Tensor) -> SampleOutput:
+        logits = logits_processors.apply(logits, requests)  # penalties, bias, min_tokens
         params = [r.params for r in requests]
         greedy = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)
@@ -67,14 +82,14 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:
-            self._logprobs(logits, tokens, params, wanted, token_list, logprobs)
+            self._logprobs(raw, tokens, params, wanted, token_list, logprobs)
         return SampleOutput(token_list, logprobs, [None] * len(requests))
 
     def _random(self, logits: torch.Tensor, requests: list[Sequence]) -> torch.Tensor:
         params = [r.params for r in requests]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
-        scaled = logits / temperature[:, None]
+        scaled = logits_processors.apply_min_p(logits / temperature[:, None], params)
         vocab_size = logits.shape[-1]
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
@@ -103,7 +118,8 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits, tokens, params, wanted, token_list, out) -> None:
-        """Log-probabilities of the model's raw distribution (before temperature and filters)."""
+        """Log-probabilities of the model's raw distribution (before the logits processors,
+        temperature and filters), as vLLM reports them by default."""
         rows = torch.tensor(wanted, device=logits.device)
         logprobs = logits[rows].log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens[rows][:, None])
@@ -115,6 +131,31 @@ class Sampler:
         for j, i in enumerate(wanted):
             n = params[i].logprobs
             out[i] = (chosen_list[j], rank_list[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+
+
+def _constrained(logits: torch.Tensor, masks: StepMasks | None) -> torch.Tensor:
+    """`logits` with each constrained row's disallowed tokens at -inf (a copy: the raw logits
+    still give the log-probabilities)."""
+    if masks is None:
+        return logits
+    keep = [i for i, problem in enumerate(masks.errors) if problem is None]
+    if not keep:
+        return logits
+    rows = torch.tensor([masks.rows[i] for i in keep], device=logits.device)
+    constrained = logits.clone()
+    constrained[rows] = _apply_bitmask(logits[rows], masks.bitmask[keep])
+    return constrained
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
+    """`logits` with logits[r, t] at -inf where bit t of bitmask[r] is 0."""
+    vocab = logits.shape[-1]
+    words = torch.from_numpy(bitmask).to(logits.device)
+    allowed = ((words[:, :, None] >> _BITS.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

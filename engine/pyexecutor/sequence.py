@@ -42,6 +42,7 @@ class Sequence:
         arrival_time: float,
         cache_salt: str | None = None,
         group: list[Sequence] | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.request_id = request_id
         self.seq_index = seq_index
@@ -61,6 +62,10 @@ class Sequence:
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
+        # Prompt tokens found in the prefix cache at its first admission (usage's cached_tokens).
+        self.num_cached_tokens: int | None = None
+        # The model's end-of-sequence tokens: what `min_tokens` holds back, with the stop ids.
+        self.eos_token_ids = eos_token_ids
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # a stop token id; for an abort, why (if known)
         self.num_preemptions = 0
@@ -74,6 +79,10 @@ class Sequence:
         # logits' device), so its tokens do not depend on what else is batched with it.
         self.seed = None if params.seed is None else params.seed + seq_index
         self.generator: torch.Generator | None = None
+        # Structured outputs: its llguidance matcher and how many output tokens it has consumed
+        # (pyexecutor/grammar_masks.py).
+        self.matcher = None
+        self.num_matched_tokens = 0
         # Context-only (disaggregated): (the request's ContextOnly, the max_tokens it asked for).
         self.context_only: tuple | None = None
 

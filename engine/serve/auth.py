@@ -1,4 +1,5 @@
-"""Bearer-token checks: the API key for `/v1`, the admin token for `/admin`.
+"""Bearer-token checks: the API key for `/v1` (and `/tokenize`, `/detokenize`), the admin
+token for `/admin`.
 
 They run before anything else reads the request, its body included: a client without the
 key learns nothing about what it sent, not even that it was malformed. Either check is off
@@ -15,13 +16,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from berth.engine.serve.errors import APIError
 
+# The routes behind the API key: the OpenAI API, and the tokenizer's (the model's, as much).
+API_KEY_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 # Enforced by `Authentication` below; the routes name it so the OpenAPI document shows it.
 bearer = HTTPBearer(auto_error=False, description="the server's --api-key (or admin token for /admin)")
 BEARER = [Security(bearer)]
 
 
 class Authentication:
-    """ASGI middleware: a 401 for a /v1 or /admin request without the right bearer token."""
+    """ASGI middleware: a 401 for a request under `API_KEY_PREFIXES` or /admin without the right
+    bearer token."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, admin_token: str | None) -> None:
         self.app = app
@@ -37,7 +41,7 @@ class Authentication:
 
     def _refusal(self, scope: Scope) -> APIError | None:
         path = scope["path"]
-        if _under(path, "/v1"):
+        if any(_under(path, prefix) for prefix in API_KEY_PREFIXES):
             expected, error = (
                 self._api_key,
                 APIError(401, "Incorrect API key provided.", code="invalid_api_key"),

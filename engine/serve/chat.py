@@ -55,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if body.stream:
             await unless_disconnected(request, generation.start())
             chunk = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[])
-            return sse_response(_chunks(body, generation, chunk), generation)
+            return sse_response(_chunks(body, generation, chunk), generation, body.stream_options)
         [output] = await unless_disconnected(request, generation.final_outputs())
     except BaseException:
         generation.abort()

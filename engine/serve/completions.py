@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from berth.engine.outputs import CompletionOutput, RequestOutput
+from berth.engine.outputs import CompletionOutput
 from berth.engine.serve.auth import BEARER
 from berth.engine.serve.context import serving
 from berth.engine.serve.disaggregated import engine_split, kv_handle_of
@@ -45,6 +45,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         for p in prompts
     ]
     tokenized = isinstance(body.prompt, str) or isinstance(body.prompt[0], str)
+    echoes = await asyncio.to_thread(_echoes, tokenizer, body, prompts) if body.echo else [""] * len(prompts)
     generation = Generation(
         ctx,
         prompts,
@@ -61,13 +62,15 @@ async def create_completion(body: CompletionRequest, request: Request):
     try:
         if body.stream:
             await unless_disconnected(request, generation.start())
-            return sse_response(_chunks(body, generation, reply), generation)
+            return sse_response(_chunks(body, generation, reply, echoes), generation, body.stream_options)
         outputs = await unless_disconnected(request, generation.final_outputs())
     except BaseException:
         generation.abort()
         raise
     reply.choices = [
-        _choice(body, index, seq) for index, output in enumerate(outputs) for seq in output.outputs
+        _choice(body, index, seq, echoes[index])
+        for index, output in enumerate(outputs)
+        for seq in output.outputs
     ]
     reply.usage = Usage.of(prompts, outputs)
     reply.kv_handle = kv_handle_of(outputs)
@@ -84,10 +87,20 @@ def _prompt_token_ids(tokenizer, prompt) -> list[list[int]]:
     return prompt
 
 
-def _choice(body: CompletionRequest, prompt_index: int, seq: CompletionOutput) -> CompletionChoice:
+def _echoes(tokenizer, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """What `echo` puts before each prompt's choices: the prompt as the client wrote it, or
+    its token ids decoded."""
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if isinstance(body.prompt[0], str):
+        return list(body.prompt)
+    return [tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in prompts]
+
+
+def _choice(body: CompletionRequest, prompt_index: int, seq: CompletionOutput, echo: str) -> CompletionChoice:
     return CompletionChoice(
         index=prompt_index * body.n + seq.index,
-        text=seq.text,
+        text=echo + seq.text,
         logprobs=completion_logprobs(seq, 0, 0) if body.logprobs is not None else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
@@ -95,21 +108,22 @@ def _choice(body: CompletionRequest, prompt_index: int, seq: CompletionOutput) -
 
 
 async def _chunks(
-    body: CompletionRequest, generation: Generation, reply: CompletionResponse
+    body: CompletionRequest, generation: Generation, reply: CompletionResponse, echoes: list[str]
 ) -> AsyncIterator[CompletionResponse]:
-    latest: dict[int, RequestOutput] = {}
     # choice index -> the text offset of its next token: where the last one's ends, as the
     # non-streamed answer counts them. Not the length of the text streamed so far: that holds
     # back a token ending inside a UTF-8 character, whose logprob entry is already out.
     logprob_offsets: dict[int, int] = {}
     done: set[int] = set()
+    echoed: set[int] = set()  # the choices whose first chunk, echoing the prompt, is out
     async for prompt_index, output in generation:
-        latest[prompt_index] = output
         for seq in output.outputs:
             index = prompt_index * body.n + seq.index
             wants_logprobs = body.logprobs is not None and seq.token_ids_diff
-            if index in done or not (seq.text_diff or seq.finished or wants_logprobs):
+            echo = echoes[prompt_index] if index not in echoed else ""
+            if index in done or not (seq.text_diff or seq.finished or wants_logprobs or echo):
                 continue
+            echoed.add(index)
             logprobs = None
             if body.logprobs is not None:
                 start = len(seq.token_ids) - len(seq.token_ids_diff)
@@ -120,12 +134,11 @@ async def _chunks(
                 done.add(index)
             choice = CompletionChoice(
                 index=index,
-                text=seq.text_diff,
+                text=echo + seq.text_diff,
                 logprobs=logprobs,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             )
             yield reply.model_copy(update={"choices": [choice]})
     if body.stream_options and body.stream_options.include_usage:
-        outputs = [latest[i] for i in sorted(latest)]
-        yield reply.model_copy(update={"usage": Usage.of(generation.prompt_token_ids, outputs)})
+        yield reply.model_copy(update={"usage": generation.usage()})

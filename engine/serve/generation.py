@@ -14,6 +14,7 @@ from berth.engine.outputs import RequestOutput
 from berth.engine.sampling_params import SamplingParams
 from berth.engine.serve.context import ServingContext
 from berth.engine.serve.errors import ClientDisconnected, from_engine_error
+from berth.engine.serve.protocol import Usage
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,6 +67,8 @@ class Generation:
             ctx.keep(asyncio.create_task(self._drain(index, result, timer)), result)
         self._updates = self._merge()
         self._primed: Update | None = None
+        # Each prompt's output as last iterated: the usage so far (a stream's continuous usage).
+        self._latest: list[RequestOutput | None] = [None] * len(prompts)
 
     async def _drain(self, index: int, result, timer) -> None:
         try:
@@ -92,9 +95,15 @@ class Generation:
     async def __aiter__(self) -> AsyncIterator[Update]:
         if self._primed is not None:
             primed, self._primed = self._primed, None
+            self._latest[primed[0]] = primed[1]
             yield primed
         async for update in self._updates:
+            self._latest[update[0]] = update[1]
             yield update
+
+    def usage(self) -> Usage:
+        """The usage of what has been iterated so far (all of it, once iterated to the end)."""
+        return Usage.of(self.prompt_token_ids, [output for output in self._latest if output is not None])
 
     async def start(self) -> None:
         """Waits for the first update (kept for iteration). An engine refusal (bad request, too

@@ -21,7 +21,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from berth.engine.engine_io import DEFAULT_DRAIN_TIMEOUT, MAX_CACHE_SALT_BYTES
-from berth.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOKEN_ID
+from berth.engine.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TOKEN_ID,
+    MIN_REPETITION_PENALTY,
+)
 
 NonEmptyString = Annotated[str, Field(min_length=1)]
 # Strict: JSON's true and false are not token ids (lax mode would read them as 1 and 0).
@@ -69,6 +78,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last one).
+    continuous_usage_stats: bool = False
 
 
 class DisaggregatedParams(_Request):
@@ -95,12 +106,22 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted for compatibility; any value but the neutral one is refused (not implemented).
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="token id (a string of digits) -> a bias in [-100, 100] added to its logit; "
+        f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens",
+    )
     # vLLM's extensions.
     top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1: no top-k filter")
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="drop tokens below min_p times the likeliest's probability"
+    )
+    repetition_penalty: float = Field(
+        1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description="1.0: off"
+    )
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX, description="no EOS or stop token id before this many")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
@@ -111,6 +132,13 @@ class _SamplingFields(_Request):
         f"at most {MAX_CACHE_SALT_BYTES} bytes in UTF-8",
     )
     disaggregated: DisaggregatedParams | None = None
+    # Structured outputs (engine/serve/structured.py): OpenAI's response_format, or vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: NonEmptyString | None = None
+    guided_choice: list[NonEmptyString] | None = Field(None, min_length=1)
+    guided_grammar: NonEmptyString | None = None
 
 
 def _prompt_shape(value: object) -> str | None:
@@ -170,8 +198,25 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Request):
+    """vLLM's `/tokenize`: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = Field(None, description="the served model name; omitted: the one model served")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = Field(
+        True, description="a prompt's BOS and the like (messages: the template writes its own)"
+    )
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = Field(None, description="the served model name; omitted: the one model served")
+    tokens: list[TokenId]
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -181,17 +226,29 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (not computed again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
     def of(cls, prompts: list[list[int]], outputs: list) -> Usage:
-        """Prompt tokens count once per prompt, whatever `n`; completion tokens of every choice."""
+        """Prompt tokens count once per prompt, whatever `n`; completion tokens of every choice.
+        `outputs` may lack prompts not heard from yet (a stream's usage so far)."""
         prompt = sum(len(p) for p in prompts)
         completion = sum(len(seq.token_ids) for output in outputs for seq in output.outputs)
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = sum(output.num_cached_tokens or 0 for output in outputs)
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
 
 class CompletionLogprobs(BaseModel):
@@ -271,6 +328,17 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -319,6 +319,8 @@ def _merged(answers: list[dict]) -> dict:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        if "prompt_tokens_details" in usages[0]:  # of the prompt, which counts once
+            merged["usage"]["prompt_tokens_details"] = usages[0]["prompt_tokens_details"]
     return merged
 
 

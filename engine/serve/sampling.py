@@ -14,6 +14,7 @@ from berth.engine.sampling_params import SamplingParams
 from berth.engine.serve.context import ServingContext
 from berth.engine.serve.errors import bad_request, from_engine_error
 from berth.engine.serve.protocol import ChatCompletionRequest, CompletionRequest
+from berth.engine.serve.structured import structured_outputs
 
 
 def admit(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -33,27 +34,35 @@ def check_supported(ctx: ServingContext, body: CompletionRequest | ChatCompletio
         raise from_engine_error(error) from error
     except ValueError as error:
         raise bad_request(str(error), param="cache_salt") from error
-    unsupported = {
-        "presence_penalty": body.presence_penalty != 0,
-        "frequency_penalty": body.frequency_penalty != 0,
-        "logit_bias": bool(body.logit_bias),
-    }
+    check_logit_bias(ctx, body.logit_bias)
+    unsupported: dict[str, bool] = {}
     if isinstance(body, CompletionRequest):
         unsupported |= {
-            "echo": body.echo,
+            # vLLM answers it with the prompt's own logprobs, which the engine does not compute.
+            "echo": body.echo and body.logprobs is not None,
             "suffix": body.suffix is not None,
             "best_of": body.best_of is not None and body.best_of != body.n,
         }
     else:
         unsupported |= {
             "tools": bool(body.tools),
-            "response_format": bool(body.response_format) and body.response_format.get("type") != "text",
         }
     for name, used in unsupported.items():
         if used:
-            raise bad_request(f"{name} is not supported by this server", param=name)
+            what = "echo with logprobs is" if name == "echo" else f"{name} is"
+            raise bad_request(f"{what} not supported by this server", param=name)
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+
+
+def check_logit_bias(ctx: ServingContext, logit_bias: dict[str, float] | None) -> None:
+    """Token ids past the model's vocabulary, by the engine's own rule (the rest of logit_bias,
+    keys that are not ids included, SamplingParams checks)."""
+    ids = [int(key) for key in logit_bias or () if key.isascii() and key.isdigit() and len(key) <= 10]
+    try:
+        ctx.limits.check_logit_bias(ids)
+    except RequestError as error:
+        raise from_engine_error(error) from error
 
 
 def check_token_ids(ctx: ServingContext, token_ids: list[int], param: str) -> list[int]:
@@ -96,6 +105,13 @@ def sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_p=body.min_p,
+            min_tokens=body.min_tokens,
+            logit_bias=body.logit_bias,
+            structured_outputs=structured_outputs(body),
         )
     except ValueError as error:  # SamplingParams names the field first
         field = str(error).split(" ", 1)[0]

@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from berth.engine.serve.errors import APIError
 from berth.engine.serve.generation import Generation
+from berth.engine.serve.protocol import StreamOptions
 
 DONE = format_sse_event(data_str="[DONE]")
 # Characters JSON leaves raw that many line readers (Python's str.splitlines, httpx's iter_lines)
@@ -21,10 +22,19 @@ def _one_line(json_text: str) -> str:
     return json_text.translate(_LINE_BREAKING)
 
 
-def sse_response(chunks: AsyncIterator[BaseModel], generation: Generation) -> EventSourceResponse:
+def sse_response(
+    chunks: AsyncIterator[BaseModel], generation: Generation, stream_options: StreamOptions | None = None
+) -> EventSourceResponse:
+    """With `include_usage` and `continuous_usage_stats` (vLLM's), every chunk carries the
+    request's usage so far, not only the last one."""
+    continuous = stream_options is not None and stream_options.include_usage
+    continuous = continuous and stream_options.continuous_usage_stats
+
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
+                if continuous and chunk.usage is None:
+                    chunk = chunk.model_copy(update={"usage": generation.usage()})
                 yield format_sse_event(data_str=_one_line(chunk.model_dump_json()))
         except APIError as error:
             # The 200 is already sent: the error travels in the stream, the way OpenAI's does.

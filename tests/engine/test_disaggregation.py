@@ -7,13 +7,16 @@ fallback, and neither engine leaks a block."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import secrets
 import time
 
+import jsonschema
 import pytest
 
 from berth.engine import LLM, ContextOnly, GenerationOnly, RequestError, SamplingParams
+from berth.engine.structured_outputs import StructuredOutputs
 from tests.engine.conftest import kv_blocks_used, prompts_of_many_lengths
 
 KEY = secrets.token_hex(32)
@@ -82,6 +85,28 @@ def test_seeded_sampling_through_the_split_equals_one_engines(context, generatio
         assert out.outputs[0].token_ids == one.outputs[0].token_ids
     greedy = context.generate(prompts, dataclasses.replace(sampled, temperature=0))
     assert [o.outputs[0].token_ids for o in single] != [g.outputs[0].token_ids for g in greedy]
+    wait_for_no_pins(context)
+
+
+def test_a_structured_output_through_the_split_follows_its_grammar_from_the_first_token(context, generation):
+    """The context engine draws the first token under the mask; the generation engine's matcher
+    starts from it: the documents equal one engine's (seeded) and validate."""
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 4}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=1.0, max_tokens=60, seed=7, structured_outputs=StructuredOutputs(json=schema)
+    )
+    prompts = prompts_of_many_lengths(context.tokenizer, lengths=(5, 21))
+    single = context.generate(prompts, params)
+    _, outputs = split(context, generation, prompts, params)
+    for one, out in zip(single, outputs):
+        assert out.outputs[0].token_ids == one.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
     wait_for_no_pins(context)
 
 

@@ -10,10 +10,19 @@ from pathlib import Path
 import berth.engine
 
 ENGINE = Path(berth.engine.__file__).parent
-LEAVES = {"engine_io", "sampling_params", "config", "outputs", "tokenizer", "disaggregation"}
+LEAVES = {
+    "engine_io",
+    "sampling_params",
+    "structured_outputs",
+    "config",
+    "outputs",
+    "tokenizer",
+    "disaggregation",
+}
 # room -> the rooms its modules may import from (besides itself)
 ALLOWED = {
-    "sampling_params": set(),
+    "sampling_params": {"structured_outputs"},
+    "structured_outputs": {"tokenizer"},  # a grammar's tokens are the model's
     "config": set(),
     "outputs": {"disaggregation"},
     "tokenizer": set(),

@@ -302,11 +302,59 @@ def test_a_request_longer_than_the_pool_is_rejected_at_once(tiny_model):
         ("seed", 1.5),
         ("stop", ""),
         ("stop_token_ids", [-1]),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.01),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 101.0),
+        ("min_p", 1.5),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # past max_tokens (16)
+        ("logit_bias", {5: 100.5}),
+        ("logit_bias", {"-1": 1.0}),
+        ("logit_bias", {"five": 1.0}),
+        ("logit_bias", {True: 1.0}),
+        ("logit_bias", {t: 1.0 for t in range(301)}),
+        ("logit_bias", [(5, 1.0)]),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"^{field}"):
         SamplingParams(**{field: value})
+
+
+def test_logit_bias_keys_may_be_json_strings():
+    assert SamplingParams(logit_bias={"7": 1, 8: -2.5}).logit_bias == {7: 1.0, 8: -2.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None  # no bias: nothing to apply
+
+
+def test_a_logit_bias_past_the_vocabulary_fails_its_request_alone(llm):
+    vocab = llm.executor.engine.model_config.vocab_size
+    good = llm.generate_async(PROMPTS[0], greedy(4))
+    bad = llm.generate_async(PROMPTS[0], greedy(4, logit_bias={vocab: 5.0}))
+    with pytest.raises(RequestError, match=f"logit_bias token id {vocab}") as raised:
+        bad.result(timeout=30)
+    assert raised.value.param == "logit_bias"
+    assert good.result(timeout=30).finished
+
+
+def test_min_tokens_holds_back_an_eos_the_bias_forces(llm):
+    """EOS forced by a bias ends the output at once; min_tokens makes it wait its turn."""
+    [eos, *_] = sorted(llm.executor.engine.eos_token_ids)
+    [at_once] = llm.generate(PROMPTS[1], greedy(12, logit_bias={eos: 100}))[0].outputs
+    [held] = llm.generate(PROMPTS[1], greedy(12, logit_bias={eos: 100}, min_tokens=5))[0].outputs
+    assert at_once.token_ids == [eos] and at_once.finish_reason == "stop"
+    assert len(held.token_ids) == 6 and held.token_ids[-1] == eos and eos not in held.token_ids[:5]
+    assert held.finish_reason == "stop"
+
+
+def test_the_same_prompt_again_reports_its_cached_prefix(llm):
+    prompt = " ".join(["cached prefix words"] * 20)
+    first = llm.generate(prompt, greedy(2), cache_salt="test-cached-tokens")[0]
+    again = llm.generate(prompt, greedy(2), cache_salt="test-cached-tokens")[0]
+    assert first.num_cached_tokens == 0
+    block = llm.executor.engine.kv_cache.block_size
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // block * block > 0
 
 
 @pytest.mark.parametrize(

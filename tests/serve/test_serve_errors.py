@@ -45,14 +45,33 @@ def error_of(response: httpx.Response, status: int) -> dict:
         (COMPLETIONS, {"prompt": [5, -1]}, "prompt"),
         (COMPLETIONS, {"prompt": [10**6]}, "prompt"),  # outside the vocabulary
         (COMPLETIONS, {"n": 17}, "n"),  # more choices than the engine's batch
-        (COMPLETIONS, {"echo": True}, "echo"),  # accepted by the schema, not implemented
-        (COMPLETIONS, {"presence_penalty": 1.0}, "presence_penalty"),
+        # Accepted by the schema, not implemented: echo's prompt logprobs, suffix, best_of.
+        (COMPLETIONS, {"echo": True, "logprobs": 1}, "echo"),
+        (COMPLETIONS, {"suffix": "the end"}, "suffix"),
+        (COMPLETIONS, {"best_of": 2}, "best_of"),
+        (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty"),
+        (COMPLETIONS, {"frequency_penalty": -3}, "frequency_penalty"),
+        (COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty"),
+        (COMPLETIONS, {"repetition_penalty": 1000}, "repetition_penalty"),
+        (COMPLETIONS, {"min_p": 1.5}, "min_p"),
+        (COMPLETIONS, {"min_tokens": -1}, "min_tokens"),
+        (COMPLETIONS, {"min_tokens": 5}, "min_tokens"),  # past max_tokens (4)
+        (COMPLETIONS, {"logit_bias": {"5": 101}}, "logit_bias"),
+        (COMPLETIONS, {"logit_bias": {"five": 1}}, "logit_bias"),
+        (COMPLETIONS, {"logit_bias": {"-5": 1}}, "logit_bias"),
+        (COMPLETIONS, {"logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),  # over 300
+        (COMPLETIONS, {"logit_bias": {"512": 1}}, "logit_bias"),  # past the vocabulary (512)
+        (COMPLETIONS, {"logit_bias": {str(2**40): 1}}, "logit_bias"),
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
         (CHAT, {"temperature": -1}, "temperature"),
         (CHAT, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
         (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens"),
         (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CHAT, {"logit_bias": {"100000": 1}}, "logit_bias"),
+        (CHAT, {"presence_penalty": -2.5}, "presence_penalty"),
+        (CHAT, {"max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
+        (CHAT, {"max_tokens": None, "min_tokens": MAX_MODEL_LEN}, "min_tokens"),  # past what is left
     ],
 )
 def test_an_invalid_parameter_is_a_400_naming_it(server, path, fields, param):
@@ -260,7 +279,16 @@ def test_a_chat_longer_than_the_model_allows_is_a_400(server):
 
 
 @pytest.mark.parametrize("token", [None, "sk-wrong"])
-@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT)])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/models"),
+        ("POST", COMPLETIONS),
+        ("POST", CHAT),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+    ],
+)
 def test_a_missing_or_wrong_api_key_is_a_401(server, token, method, path):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     response = httpx.request(

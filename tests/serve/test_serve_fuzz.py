@@ -22,6 +22,8 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 OPERATIONS = {
     ("POST", "/v1/completions"): {POSITIVE: 60, NEGATIVE: 30},
     ("POST", "/v1/chat/completions"): {POSITIVE: 60, NEGATIVE: 30},
+    ("POST", "/tokenize"): {POSITIVE: 20, NEGATIVE: 10},
+    ("POST", "/detokenize"): {POSITIVE: 20, NEGATIVE: 10},
     ("GET", "/v1/models"): {POSITIVE: 3},
     ("GET", "/v1/models/{model}"): {POSITIVE: 10},
     ("GET", "/health"): {POSITIVE: 2},

@@ -5,6 +5,7 @@ prompt token ids and sampling parameters (greedy, and seeded sampling)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import defaultdict
 
 import pytest
@@ -329,3 +330,71 @@ async def test_async_chat_without_a_limit_runs_to_eos_or_the_models_length(async
     assert reply.choices[0].message.content == expected.text
     assert reply.choices[0].finish_reason == expected.finish_reason
     assert reply.usage.completion_tokens == len(expected.token_ids)
+
+
+# ---- echo, usage details, continuous usage --------------------------------------------------------
+
+
+def test_echo_puts_the_prompt_before_each_choice_streamed_or_not(client, reference):
+    ids = prompt_ids(reference, PROMPT)
+    expected = engine_output(reference, ids, n=2, temperature=1.0, seed=5, max_tokens=8).outputs
+    params = dict(model=MODEL_NAME, n=2, temperature=1.0, seed=5, max_tokens=8, echo=True)
+
+    reply = client.completions.create(prompt=PROMPT, **params)
+    assert [c.text for c in reply.choices] == [PROMPT + seq.text for seq in expected]
+    by_ids = client.completions.create(prompt=ids, **params)  # token ids: echoed decoded
+    decoded = reference.tokenizer.decode(ids, skip_special_tokens=True)
+    assert [c.text for c in by_ids.choices] == [decoded + seq.text for seq in expected]
+    assert reply.usage.completion_tokens == sum(len(seq.token_ids) for seq in expected)
+
+    texts: dict[int, str] = defaultdict(str)
+    for chunk in client.completions.create(prompt=PROMPT, stream=True, **params):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert dict(texts) == {i: PROMPT + seq.text for i, seq in enumerate(expected)}
+
+
+def test_the_same_prompt_again_reports_the_prefix_cache_hit_in_usage(client):
+    """The shared server caches prefixes (the default); a salt of its own makes the first ask a
+    miss whatever ran before."""
+    prompt = " ".join(["a prefix the cache keeps"] * 12)
+    salted = dict(model=MODEL_NAME, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "usage-details"})
+    first = client.completions.create(**salted)
+    again = client.completions.create(**salted)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens  # whole KV blocks
+    streamed = [c.usage for c in client.completions.create(
+        **salted, stream=True, stream_options={"include_usage": True}
+    ) if c.usage is not None]  # fmt: skip
+    assert streamed[-1].prompt_tokens_details.cached_tokens == cached
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, reference):
+    ids = prompt_ids(reference, PROMPT)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0, logprobs=0, stream=True,
+            stream_options=options, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert all(c.usage is not None and c.usage.prompt_tokens == len(ids) for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    # Each chunk counts the tokens streamed so far, its own included (one or more a chunk).
+    streamed = list(itertools.accumulate(len(c.choices[0].logprobs.tokens) for c in chunks[:-1]))
+    assert [c.usage.completion_tokens for c in chunks[:-1]] == streamed and streamed[-1] == 6
+
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=4, temperature=0, stream=True,
+            stream_options=options, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert all(c.usage is not None for c in chat) and chat[-1].usage.completion_tokens == 4
+    plain = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.usage is not None for c in plain][-2:] == [False, True]  # without it: the last alone

@@ -1,4 +1,5 @@
-"""One request's postprocessing error fails that request alone, in every process shape.
+"""One request's postprocessing error fails that request alone, in every process shape (and a
+structured output is valid in each).
 
 The fault is real: a tokenizer whose decoder raises on one token id (a test double of Hugging
 Face `tokenizers`' `DecodeStream`, `tests/support/poisoned_tokenizers`), in whichever process
@@ -16,6 +17,7 @@ import secrets
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from berth.engine import LLM, SamplingParams
@@ -31,6 +33,12 @@ TARGET_MAX_TOKENS = 8000
 KV_BLOCKS = 1024  # the target and the 16 others at once, no preemption
 OTHERS = 16
 OTHER_MAX_TOKENS = 24
+SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 50},
+    "minItems": 2,
+    "maxItems": 4,
+}
 CANDIDATE_PROMPTS = ("The river bends", "Owls at night", "Bread and glass", "Maps of the stars")
 SHAPES = {
     "in-process": ("--executor", "in-process"),
@@ -166,6 +174,20 @@ def test_a_postprocessing_error_fails_its_request_alone(long_model: Path, poison
         assert computed < work + TARGET_MAX_TOKENS * 3 // 4, computed
         again = serving.post("/v1/completions", {**others[0], "max_tokens": 4})
         assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
+        # A structured output in this shape too: its grammar is the owner's engine's, whoever detokenizes.
+        shaped = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "n": 2,
+            "max_tokens": 60,
+            "seed": 1,
+            "guided_json": SCHEMA,
+        }
+        answer = serving.post("/v1/completions", shaped)
+        assert answer.status_code == 200, answer.text
+        for choice in answer.json()["choices"]:
+            assert choice["finish_reason"] == "stop", choice
+            jsonschema.validate(json.loads(choice["text"]), SCHEMA)
     finally:
         for server in reversed(servers):
             server.stop()
