@@ -38,7 +38,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     # The one tokenizer (and template) this request is rendered with: a wakeup may swap them.
     tokenizer = ctx.tokenizer
     # Rendering and tokenizing a long chat takes long: off the event loop, so probes go on.
-    prompt = check_token_ids(ctx, await asyncio.to_thread(_render, tokenizer, body), "messages")
+    prompt = check_token_ids(ctx, await asyncio.to_thread(render, tokenizer, body), "messages")
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(
         ctx, getattr(body, budget_param), len(prompt), param=budget_param, prompt_param="messages"
@@ -80,13 +80,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     )
 
 
-def _render(tokenizer, body: ChatCompletionRequest) -> list[int]:
+# What berth itself passes the template: a request's chat_template_kwargs may not replace them.
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "tools"})
+
+
+def render(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids: the messages through the checkpoint's chat template, with the
+    request's `chat_template_kwargs` (e.g. `{"enable_thinking": false}`) as its variables."""
     messages = [
         {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
     ]
+    variables = body.chat_template_kwargs or {}
+    reserved = sorted(TEMPLATE_ARGUMENTS & set(variables))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False, **variables
         )
     except Exception as error:  # the template is the checkpoint's code; it may refuse these messages
         raise bad_request(

@@ -199,6 +199,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='variables for the chat template, e.g. {"enable_thinking": false}'
+    )
 
 
 class TokenizeRequest(_Request):
@@ -208,6 +211,7 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = Field(
         True, description="a prompt's BOS and the like (messages: the template writes its own)"
     )

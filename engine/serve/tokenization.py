@@ -8,7 +8,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from berth.engine.serve.auth import BEARER
-from berth.engine.serve.chat import _render as render_chat
+from berth.engine.serve.chat import render as render_chat
 from berth.engine.serve.context import serving
 from berth.engine.serve.errors import bad_request, documented
 from berth.engine.serve.protocol import (
@@ -31,7 +31,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         raise bad_request("give either a prompt or messages (one of them)", param="prompt")
     tokenizer = ctx.tokenizer
     if body.messages is not None:
-        chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+        chat = ChatCompletionRequest(
+            messages=body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
         tokens = await asyncio.to_thread(render_chat, tokenizer, chat)
     else:
         encoded = await asyncio.to_thread(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)

@@ -4,6 +4,10 @@ wrong."""
 
 from __future__ import annotations
 
+import copy
+
+from berth.engine.serve.chat import render
+from berth.engine.serve.protocol import ChatCompletionRequest, ChatMessage
 from tests.serve.server_process import MAX_MODEL_LEN, MODEL_NAME
 from tests.serve.test_serve_errors import error_of
 from tests.serve.test_serve_openai import MESSAGES, chat_ids
@@ -50,3 +54,23 @@ def test_tokenizing_refuses_what_it_cannot_do_naming_the_parameter(server):
     for path, body, param in refusals:
         status = 404 if param == "model" else 400
         assert error_of(server.post(path, body), status)["param"] == param, (path, body)
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_replace_berths_own(server, reference):
+    thinking = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
+    )
+    tokenizer = copy.deepcopy(reference.tokenizer)
+    tokenizer.chat_template = thinking
+    ask = [ChatMessage(role="user", content="hi")]
+    off = render(
+        tokenizer, ChatCompletionRequest(messages=ask, chat_template_kwargs={"enable_thinking": False})
+    )
+    on = render(tokenizer, ChatCompletionRequest(messages=ask))
+    assert tokenizer.decode(off).endswith("/no_think\n") and not tokenizer.decode(on).endswith("/no_think\n")
+    for reserved in ({"tokenize": True}, {"add_generation_prompt": False}, {"messages": []}):
+        answer = server.post("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": reserved})
+        assert error_of(answer, 400)["param"] == "chat_template_kwargs", reserved
+    plain = server.post("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"unused": 1}})
+    assert plain.json()["tokens"] == server.post("/tokenize", {"messages": MESSAGES}).json()["tokens"]
