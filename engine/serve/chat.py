@@ -27,6 +27,8 @@ from berth.engine.serve.protocol import (
 )
 from berth.engine.serve.sampling import admit, check_token_ids, resolve_max_tokens, sampling_params
 from berth.engine.serve.streaming import sse_response
+from berth.engine.serve.tool_calls import ToolStream, ToolUse, template_messages, tool_calls, tool_use
+from berth.engine.serve.tool_parsers import Parsed
 
 router = APIRouter(dependencies=BEARER, responses=documented(400, 401, 404, 413, 503))
 
@@ -37,14 +39,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     admit(ctx, body)
     # The one tokenizer (and template) this request is rendered with: a wakeup may swap them.
     tokenizer = ctx.tokenizer
+    use = tool_use(body, getattr(tokenizer, "chat_template", None), ctx.tool_call_parser)
     # Rendering and tokenizing a long chat takes long: off the event loop, so probes go on.
-    prompt = check_token_ids(ctx, await asyncio.to_thread(render, tokenizer, body), "messages")
+    prompt = check_token_ids(ctx, await asyncio.to_thread(render, tokenizer, body, use), "messages")
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(
         ctx, getattr(body, budget_param), len(prompt), param=budget_param, prompt_param="messages"
     )
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs)
+    constraint = use.constraint() if use is not None else None
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs, constraint=constraint)
     names = {"prompt": "messages", "max_tokens": budget_param}
     generation = Generation(
         ctx, [prompt], [params], names=names, cache_salt=body.cache_salt, tokenized_with=tokenizer,
@@ -55,21 +59,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if body.stream:
             await unless_disconnected(request, generation.start())
             chunk = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[])
-            return sse_response(_chunks(body, generation, chunk), generation, body.stream_options)
+            return sse_response(_chunks(body, generation, chunk, use), generation, body.stream_options)
         [output] = await unless_disconnected(request, generation.final_outputs())
     except BaseException:
         generation.abort()
         raise
-    choices = [
-        ChatChoice(
-            index=seq.index,
-            message=AssistantMessage(content=seq.text),
-            logprobs=chat_logprobs(seq, 0, top_logprobs) if top_logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+    choices = []
+    for seq in output.outputs:
+        parsed = use.answer(seq.text) if use is not None else Parsed(seq.text, [])
+        choices.append(
+            ChatChoice(
+                index=seq.index,
+                message=AssistantMessage(content=parsed.content, tool_calls=tool_calls(parsed.calls)),
+                logprobs=chat_logprobs(seq, 0, top_logprobs) if top_logprobs is not None else None,
+                finish_reason=_finish_reason(seq.finish_reason, bool(parsed.calls)),
+                stop_reason=seq.stop_reason,
+            )
         )
-        for seq in output.outputs
-    ]
     return ChatCompletionResponse(
         id=request_id,
         created=created,
@@ -84,14 +90,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "tools"})
 
 
-def render(tokenizer, body: ChatCompletionRequest) -> list[int]:
+def render(tokenizer, body: ChatCompletionRequest, use: ToolUse | None = None) -> list[int]:
     """The prompt's token ids: the messages through the checkpoint's chat template, with the
-    request's `chat_template_kwargs` (e.g. `{"enable_thinking": false}`) as its variables."""
-    messages = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
-    ]
+    request's `chat_template_kwargs` (e.g. `{"enable_thinking": false}`) as its variables, and
+    its tools (`tool_calls.py`)."""
+    messages = template_messages(body.messages, use)
     variables = body.chat_template_kwargs or {}
-    reserved = sorted(TEMPLATE_ARGUMENTS & set(variables))
+    if use is not None and use.renders_tools:
+        variables = {**variables, "tools": use.template_tools()}
+    reserved = sorted(TEMPLATE_ARGUMENTS & set(body.chat_template_kwargs or {}))
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
     try:
@@ -107,9 +114,10 @@ def render(tokenizer, body: ChatCompletionRequest) -> list[int]:
 
 
 async def _chunks(
-    body: ChatCompletionRequest, generation: Generation, chunk: ChatCompletionChunk
+    body: ChatCompletionRequest, generation: Generation, chunk: ChatCompletionChunk, use: ToolUse | None
 ) -> AsyncIterator[ChatCompletionChunk]:
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    tools = {index: ToolStream(use) for index in range(body.n)} if use is not None else {}
     for index in range(body.n):  # OpenAI opens every choice with the role
         yield _with(chunk, ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
     latest = None
@@ -123,18 +131,43 @@ async def _chunks(
             if seq.finished:
                 done.add(seq.index)
             start = len(seq.token_ids) - len(seq.token_ids_diff)
+            logprobs = chat_logprobs(seq, start, top_logprobs) if top_logprobs is not None else None
+            if seq.index in tools:
+                stream = tools[seq.index]
+                deltas = stream.feed(seq.text_diff, seq.finished)
+                for delta in deltas[:-1]:
+                    yield _with(chunk, ChatStreamChoice(index=seq.index, delta=delta))
+                last = deltas[-1] if deltas else {}
+                if not (last or seq.finished or logprobs):
+                    continue
+                yield _with(
+                    chunk,
+                    ChatStreamChoice(
+                        index=seq.index,
+                        delta=last,
+                        logprobs=logprobs,
+                        finish_reason=_finish_reason(seq.finish_reason, stream.calls_sent > 0),
+                        stop_reason=seq.stop_reason,
+                    ),
+                )
+                continue
             yield _with(
                 chunk,
                 ChatStreamChoice(
                     index=seq.index,
                     delta={"content": seq.text_diff} if seq.text_diff else {},
-                    logprobs=chat_logprobs(seq, start, top_logprobs) if top_logprobs is not None else None,
+                    logprobs=logprobs,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 ),
             )
     if body.stream_options and body.stream_options.include_usage:
         yield chunk.model_copy(update={"usage": Usage.of(generation.prompt_token_ids, [latest])})
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` for an answer that ended with calls."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _with(chunk: ChatCompletionChunk, choice: ChatStreamChoice) -> ChatCompletionChunk:

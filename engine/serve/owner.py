@@ -258,6 +258,7 @@ def loading_context(args: argparse.Namespace):
         loading=Loading(),
         model_label=args.model_revision,
         role=args.role,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

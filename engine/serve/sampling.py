@@ -15,6 +15,7 @@ from berth.engine.serve.context import ServingContext
 from berth.engine.serve.errors import bad_request, from_engine_error
 from berth.engine.serve.protocol import ChatCompletionRequest, CompletionRequest
 from berth.engine.serve.structured import structured_outputs
+from berth.engine.structured_outputs import StructuredOutputs
 
 
 def admit(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -42,10 +43,6 @@ def check_supported(ctx: ServingContext, body: CompletionRequest | ChatCompletio
             "echo": body.echo and body.logprobs is not None,
             "suffix": body.suffix is not None,
             "best_of": body.best_of is not None and body.best_of != body.n,
-        }
-    else:
-        unsupported |= {
-            "tools": bool(body.tools),
         }
     for name, used in unsupported.items():
         if used:
@@ -89,8 +86,19 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    constraint: StructuredOutputs | None = None,
 ) -> SamplingParams:
+    """`constraint`: the grammar a forced tool call gives (tool_calls.py), in place of the
+    request's own structured output, which cannot come with it."""
+    asked = structured_outputs(body)
+    if constraint is not None and asked is not None:
+        raise bad_request(
+            "tool_choice forces a call: it cannot be combined with a structured output", "tool_choice"
+        )
     try:
         return SamplingParams(
             n=body.n,
@@ -111,7 +119,7 @@ def sampling_params(
             min_p=body.min_p,
             min_tokens=body.min_tokens,
             logit_bias=body.logit_bias,
-            structured_outputs=structured_outputs(body),
+            structured_outputs=constraint or asked,
         )
     except ValueError as error:  # SamplingParams names the field first
         field = str(error).split(" ", 1)[0]

@@ -67,7 +67,8 @@ def error_of(response: httpx.Response, status: int) -> dict:
         (CHAT, {"temperature": -1}, "temperature"),
         (CHAT, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
         (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens"),
-        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools[0]"),
+        (CHAT, {"tool_choice": "required"}, "tool_choice"),  # without tools
         (CHAT, {"logit_bias": {"100000": 1}}, "logit_bias"),
         (CHAT, {"presence_penalty": -2.5}, "presence_penalty"),
         (CHAT, {"max_completion_tokens": 3, "min_tokens": 4}, "min_tokens"),
