@@ -204,3 +204,17 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(client, fields, param, 
     error = caught.value.body
     assert error["param"] == param, error
     assert says in error["message"], error
+
+
+def test_tool_call_parser_sets_the_format(tiny_model) -> None:
+    """`--tool-call-parser pythonic`: a format no grammar forces, so `required` is refused (with
+    the template's hermes, it is served above)."""
+    server = keyed_server(
+        tiny_model, *ENGINE_ARGS, "--executor", "in-process", "--tool-call-parser", "pythonic"
+    )
+    try:
+        body = {"messages": ASK, "tools": [TIME], "tool_choice": "required", "max_tokens": 8}
+        answer = server.post("/v1/chat/completions", body)
+        assert answer.status_code == 400 and "pythonic" in answer.json()["error"]["message"], answer.text
+    finally:
+        assert server.stop() == 0, server.output
