@@ -9,6 +9,7 @@ import re
 import sys
 
 from berth.engine.serve.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from berth.engine.serve.reasoning import REASONING_PARSERS
 from berth.engine.serve.tool_parsers import PARSERS
 
 # CLI flag -> EngineConfig field, for the engine options passed through to LLM(...).
@@ -56,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(a Service exposes --port only; the operator reaches this one on the pod's IP)",
     )
     parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL)")
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split a reasoning model's thinking into reasoning_content (default: none, all is content)",
+    )
     parser.add_argument(
         "--tool-call-parser",
         choices=sorted(PARSERS),

@@ -111,4 +111,5 @@ def frontend_context(args: argparse.Namespace, llm, model_name: str | None):
         max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         model_label=args.model_revision,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )

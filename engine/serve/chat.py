@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
@@ -25,8 +26,10 @@ from berth.engine.serve.protocol import (
     ChatStreamChoice,
     Usage,
 )
+from berth.engine.serve.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
 from berth.engine.serve.sampling import admit, check_token_ids, resolve_max_tokens, sampling_params
 from berth.engine.serve.streaming import sse_response
+from berth.engine.serve.structured import structured_outputs
 from berth.engine.serve.tool_calls import ToolStream, ToolUse, template_messages, tool_calls, tool_use
 from berth.engine.serve.tool_parsers import Parsed
 
@@ -40,6 +43,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     # The one tokenizer (and template) this request is rendered with: a wakeup may swap them.
     tokenizer = ctx.tokenizer
     use = tool_use(body, getattr(tokenizer, "chat_template", None), ctx.tool_call_parser)
+    # A grammar constrains the whole answer: there is no thinking to split from it.
+    constrained = (use is not None and use.choice != "auto") or structured_outputs(body) is not None
+    reasoner = REASONING_PARSERS[ctx.reasoning_parser]() if ctx.reasoning_parser and not constrained else None
     # Rendering and tokenizing a long chat takes long: off the event loop, so probes go on.
     prompt = check_token_ids(ctx, await asyncio.to_thread(render, tokenizer, body, use), "messages")
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -59,18 +65,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if body.stream:
             await unless_disconnected(request, generation.start())
             chunk = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[])
-            return sse_response(_chunks(body, generation, chunk, use), generation, body.stream_options)
+            chunks = _chunks(body, generation, chunk, use, reasoner)
+            return sse_response(chunks, generation, body.stream_options)
         [output] = await unless_disconnected(request, generation.final_outputs())
     except BaseException:
         generation.abort()
         raise
     choices = []
     for seq in output.outputs:
-        parsed = use.answer(seq.text) if use is not None else Parsed(seq.text, [])
+        reasoning, parsed = answer_of(seq.text, use, reasoner)
+        message = AssistantMessage(
+            content=parsed.content, reasoning_content=reasoning, tool_calls=tool_calls(parsed.calls)
+        )
         choices.append(
             ChatChoice(
                 index=seq.index,
-                message=AssistantMessage(content=parsed.content, tool_calls=tool_calls(parsed.calls)),
+                message=message,
                 logprobs=chat_logprobs(seq, 0, top_logprobs) if top_logprobs is not None else None,
                 finish_reason=_finish_reason(seq.finish_reason, bool(parsed.calls)),
                 stop_reason=seq.stop_reason,
@@ -114,10 +124,14 @@ def render(tokenizer, body: ChatCompletionRequest, use: ToolUse | None = None) -
 
 
 async def _chunks(
-    body: ChatCompletionRequest, generation: Generation, chunk: ChatCompletionChunk, use: ToolUse | None
+    body: ChatCompletionRequest,
+    generation: Generation,
+    chunk: ChatCompletionChunk,
+    use: ToolUse | None,
+    reasoner: ReasoningParser | None,
 ) -> AsyncIterator[ChatCompletionChunk]:
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    tools = {index: ToolStream(use) for index in range(body.n)} if use is not None else {}
+    answers = {index: AnswerStream(use, reasoner) for index in range(body.n)}
     for index in range(body.n):  # OpenAI opens every choice with the role
         yield _with(chunk, ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
     latest = None
@@ -132,37 +146,55 @@ async def _chunks(
                 done.add(seq.index)
             start = len(seq.token_ids) - len(seq.token_ids_diff)
             logprobs = chat_logprobs(seq, start, top_logprobs) if top_logprobs is not None else None
-            if seq.index in tools:
-                stream = tools[seq.index]
-                deltas = stream.feed(seq.text_diff, seq.finished)
-                for delta in deltas[:-1]:
-                    yield _with(chunk, ChatStreamChoice(index=seq.index, delta=delta))
-                last = deltas[-1] if deltas else {}
-                if not (last or seq.finished or logprobs):
-                    continue
-                yield _with(
-                    chunk,
-                    ChatStreamChoice(
-                        index=seq.index,
-                        delta=last,
-                        logprobs=logprobs,
-                        finish_reason=_finish_reason(seq.finish_reason, stream.calls_sent > 0),
-                        stop_reason=seq.stop_reason,
-                    ),
-                )
+            answer = answers[seq.index]
+            deltas = answer.feed(seq.text_diff, seq.finished)
+            for delta in deltas[:-1]:
+                yield _with(chunk, ChatStreamChoice(index=seq.index, delta=delta))
+            last = deltas[-1] if deltas else {}
+            if not (last or seq.finished or logprobs):
                 continue
             yield _with(
                 chunk,
                 ChatStreamChoice(
                     index=seq.index,
-                    delta={"content": seq.text_diff} if seq.text_diff else {},
+                    delta=last,
                     logprobs=logprobs,
-                    finish_reason=seq.finish_reason,
+                    finish_reason=_finish_reason(seq.finish_reason, answer.called),
                     stop_reason=seq.stop_reason,
                 ),
             )
     if body.stream_options and body.stream_options.include_usage:
         yield chunk.model_copy(update={"usage": Usage.of(generation.prompt_token_ids, [latest])})
+
+
+class AnswerStream:
+    """One choice's streamed text as deltas: thinking (`reasoning_content`), then content and
+    tool calls, each as soon as it is known."""
+
+    def __init__(self, use: ToolUse | None, reasoner: ReasoningParser | None) -> None:
+        self._tools = ToolStream(use) if use is not None else None
+        self._reasoning = ReasoningStream(reasoner) if reasoner is not None else None
+
+    @property
+    def called(self) -> bool:
+        return self._tools is not None and self._tools.calls_sent > 0
+
+    def feed(self, diff: str, finished: bool) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        if self._reasoning is not None:
+            thought, diff = self._reasoning.feed(diff, finished)
+            deltas += [{"reasoning_content": thought}] if thought else []
+        if self._tools is not None:
+            return deltas + self._tools.feed(diff, finished)
+        return deltas + ([{"content": diff}] if diff else [])
+
+
+def answer_of(text: str, use: ToolUse | None, reasoner: ReasoningParser | None) -> tuple[str | None, Parsed]:
+    """A whole answer's thinking, and its content and calls."""
+    reasoning, content = reasoner.split(text) if reasoner is not None else (None, text)
+    if use is None:
+        return reasoning, Parsed(content, [])
+    return reasoning, use.answer(content or "")
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -35,6 +35,7 @@ class ServingContext:
     # The engine owner's attach endpoint (AttachEndpoint), once frontends can attach: a drain
     # waits for their requests too.
     frontends: object | None = None
+    reasoning_parser: str | None = None  # `--reasoning-parser`: how thinking is split from an answer
     tool_call_parser: str | None = None  # `--tool-call-parser`; None: the chat template's format
     role: str = "both"  # in disaggregated serving (`disaggregated.py`): context, generation or both
 

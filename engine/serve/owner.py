@@ -259,6 +259,7 @@ def loading_context(args: argparse.Namespace):
         model_label=args.model_revision,
         role=args.role,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

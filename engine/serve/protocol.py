@@ -314,6 +314,7 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # a reasoning model's thinking (`--reasoning-parser`)
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 

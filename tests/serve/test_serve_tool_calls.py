@@ -206,15 +206,28 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(client, fields, param, 
     assert says in error["message"], error
 
 
-def test_tool_call_parser_sets_the_format(tiny_model) -> None:
+def test_the_parser_flags_set_the_call_format_and_split_thinking(tiny_model) -> None:
     """`--tool-call-parser pythonic`: a format no grammar forces, so `required` is refused (with
-    the template's hermes, it is served above)."""
+    the template's hermes it is served above). `--reasoning-parser deepseek_r1`: the prompt opens
+    the thinking, so an answer that never closes it (random weights) is all reasoning, whole or
+    streamed."""
     server = keyed_server(
-        tiny_model, *ENGINE_ARGS, "--executor", "in-process", "--tool-call-parser", "pythonic"
-    )
+        tiny_model, *ENGINE_ARGS, "--executor", "in-process",
+        "--tool-call-parser", "pythonic", "--reasoning-parser", "deepseek_r1",
+    )  # fmt: skip
     try:
         body = {"messages": ASK, "tools": [TIME], "tool_choice": "required", "max_tokens": 8}
         answer = server.post("/v1/chat/completions", body)
         assert answer.status_code == 400 and "pythonic" in answer.json()["error"]["message"], answer.text
+
+        greedy = {"messages": ASK, "max_tokens": 8, "temperature": 0}
+        message = server.post("/v1/chat/completions", greedy).json()["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning_content"]
+        streamed = server.post("/v1/chat/completions", {**greedy, "stream": True}).text
+        deltas = [
+            json.loads(line[6:])["choices"][0]["delta"] for line in streamed.splitlines() if "delta" in line
+        ]
+        assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == message["reasoning_content"]
+        assert not any(d.get("content") for d in deltas)
     finally:
         assert server.stop() == 0, server.output
