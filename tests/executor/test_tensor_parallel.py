@@ -5,16 +5,18 @@ world outlives its test."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
 import time
 
+import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from berth.engine import LLM, GenerationOnly, KVHandle, RequestError, SamplingParams
+from berth.engine import LLM, GenerationOnly, KVHandle, RequestError, SamplingParams, StructuredOutputs
 from berth.engine.disaggregation import KVLayout, prompt_digest
 from berth.engine.executor import EngineDeadError
 from berth.engine.executor.errors import WorkerDiedError
@@ -27,6 +29,10 @@ MAX_NEW = 16
 # 16 slots cannot hold 8 running sequences: the scheduler must preempt.
 PROMPT_LENGTHS = (1, 2, 3, 5, 7, 9, 13, 16, 17, 21, 31, 33, 45, 50, 60, 64)
 ENGINE = {"max_num_tokens": 16, "kv_cache_blocks": 12, "kv_block_size": 16, "max_batch_size": 8}
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 4}
+SHAPED = SamplingParams(
+    temperature=1.0, seed=3, max_tokens=60, structured_outputs=StructuredOutputs(json=SCHEMA)
+)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 
@@ -49,9 +55,12 @@ def test_greedy_tokens_of_a_world_equal_one_rank_and_transformers(checkpoint, si
     with LLM(path, executor="in-process", **ENGINE) as one_rank:
         prompts = prompts_of_many_lengths(one_rank.tokenizer, PROMPT_LENGTHS)
         expected = [output.outputs[0].token_ids for output in one_rank.generate(prompts, params)]
+        shaped_alone = [o.outputs[0] for o in one_rank.generate(prompts[:2], SHAPED)]
     with LLM(path, tensor_parallel_size=size, kv_transfer_key=secrets.token_hex(16), **ENGINE) as world:
         assert sorted(rank_pids(world)) == list(range(size))
         outputs = world.generate(prompts, params)
+        # A structured output: rank 0 masks and draws, the world's tokens are one rank's.
+        shaped = [o.outputs[0] for o in world.generate(prompts[:2], SHAPED)]
         # A world states the model's KV layout (all its KV heads), not a rank's; another model's
         # KV (99 layers) is refused.
         layout = KVLayout("float32", 16, 99, 2, 16, 1)
@@ -66,6 +75,10 @@ def test_greedy_tokens_of_a_world_equal_one_rank_and_transformers(checkpoint, si
     assert not world_processes()
 
     assert [output.outputs[0].token_ids for output in outputs] == expected
+    assert [s.token_ids for s in shaped] == [s.token_ids for s in shaped_alone]
+    for sequence in shaped:
+        assert sequence.finish_reason == "stop", sequence.text
+        jsonschema.validate(json.loads(sequence.text), SCHEMA)
     assert stats.num_preemptions >= 1, "the workload was meant to force a preemption"
     # One all-reduce per row-parallel projection (2 a layer) and one for the embedding, a step,
     # counting the step every rank profiles at start to size its KV pool and the one-token check
