@@ -3,7 +3,10 @@
 Column-parallel Q/K/V (this rank's heads, one fused GEMM), row-parallel o_proj (one all-reduce).
 What tells one family's attention from another's is an `AttentionOptions`, never a copy of the
 layer: biases (Qwen2, Llama's `attention_bias`), an RMSNorm over each head of q and k before
-RoPE (Qwen3), a sliding window (Mistral; Qwen2 / Qwen3 on some layers), the softmax scale.
+RoPE (Qwen3; Gemma 3's scales by 1 + weight), a sliding window (Mistral, Gemma 3; Qwen2 / Qwen3
+on some layers), the softmax scale (Gemma's `query_pre_attn_scalar`). Soft-capping of the
+scores is not an option (no kernel has it): a config that sets `attn_logit_softcapping` is
+refused at load (decoder.py).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from berth.kernels import AttentionMetadata
 class AttentionOptions:
     qkv_bias: bool = False
     output_bias: bool = False
-    # RMSNorm over each head's head_dim features of q and k, before RoPE (Qwen3).
+    # RMSNorm over each head's head_dim features of q and k, before RoPE (Qwen3, Gemma 3);
+    # Gemma's scales by 1 + weight (`layers.RMSNorm`'s unit_offset).
     qk_norm: bool = False
+    qk_norm_unit_offset: bool = False
     # A token sees only the last `sliding_window` positions, itself included (transformers').
     sliding_window: int | None = None
-    # The softmax scale; None: head_dim ** -0.5.
+    # The softmax scale; None: head_dim ** -0.5 (Gemma's: query_pre_attn_scalar ** -0.5).
     scale: float | None = None
 
 
@@ -51,8 +56,9 @@ class Attention(nn.Module):
         # One weight of head_dim, shared by every head (so replicated on every rank).
         self.q_norm = self.k_norm = None
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory)
+            offset = options.qk_norm_unit_offset
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=offset, **factory)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, unit_offset=offset, **factory)
 
     def forward(
         self,
@@ -62,6 +68,8 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         rope_cache: torch.Tensor,
     ) -> torch.Tensor:
+        """`positions`: each token's row of `rope_cache` (its position, offset where a model has
+        more than one table: rotary.py)."""
         num_tokens = hidden.shape[0]
         # Views of the fused projection's output (every kernel takes a row stride): no copies.
         q, k, v = (

@@ -61,6 +61,22 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()
+    # RoPE rotates the first head_dim * partial_rotary_factor features of each head (Phi-4-mini:
+    # 0.75), the rest pass through.
+    partial_rotary_factor: float = 1.0
+    # The RoPE of the sliding-window layers where it differs from the global layers' (Gemma 3's
+    # `rope_local_base_freq`, or `rope_parameters["sliding_attention"]`); None: the same.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    # The gated MLP's activation ("silu"; Gemma's "gelu_pytorch_tanh").
+    hidden_act: str = "silu"
+    # Gemma: the softmax scale is query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    query_pre_attn_scalar: float | None = None
+    # tanh soft-capping of the final logits / of the attention scores (None: none).
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    # Gemma 3 as an embedding model: attention that sees the tokens after too.
+    use_bidirectional_attention: bool = False
     # Where it was read from (its tokenizer is there too); "" for a config made in memory.
     model_dir: str = ""
 
@@ -74,11 +90,7 @@ class ModelConfig:
         if missing:
             raise ValueError(f"{path} lacks required fields: {', '.join(missing)}")
         architectures = raw.get("architectures") or [""]
-        # transformers >= 5 nests RoPE settings in `rope_parameters`; older files use
-        # `rope_theta` + `rope_scaling`. Accept both.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope = _rope(raw)
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         # Mixtral's `num_local_experts`; Qwen3-MoE's `num_experts` (transformers 5 writes the former).
@@ -93,8 +105,8 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else rope,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 always has QKV bias; Llama only when `attention_bias` says so.
@@ -112,7 +124,20 @@ class ModelConfig:
             # Mixtral always renormalises the top-k weights; Qwen3-MoE when `norm_topk_prob`.
             norm_topk_prob=raw.get("norm_topk_prob", True),
             sparse_layers=_sparse_layers(raw, num_layers, num_experts),
+            partial_rotary_factor=rope.partial_rotary_factor,
+            local_rope_theta=rope.local_theta,
+            local_rope_scaling=rope.local_scaling,
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+            use_bidirectional_attention=bool(raw.get("use_bidirectional_attention")),
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many features of each head RoPE rotates (transformers': int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def shape_differences(self, other: ModelConfig) -> list[str]:
         """What in `other` gives a weight another shape than in this model ("" when nothing)."""
@@ -121,6 +146,73 @@ class ModelConfig:
             for name in SHAPE_FIELDS
             if getattr(other, name) != getattr(self, name)
         ]
+
+
+@dataclass(frozen=True)
+class _Rope:
+    theta: float
+    scaling: dict | None
+    partial_rotary_factor: float
+    local_theta: float | None
+    local_scaling: dict | None
+
+
+def _rope(raw: dict) -> _Rope:
+    """The RoPE settings, from any of the layouts checkpoints write them in: transformers >= 5
+    nests them in `rope_parameters` (per layer type for Gemma 3: "full_attention" and
+    "sliding_attention"); older files have `rope_theta` + `rope_scaling` (and Gemma 3's
+    `rope_local_base_freq` for its local layers)."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    local = None
+    if isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict):
+        local = dict(params.get("sliding_attention") or {})
+        params = params.get("full_attention") or {}
+    params = dict(params)
+    # Gemma 3's config class defaults: 1e6 for the global layers, 1e4 for the local ones.
+    gemma3 = raw.get("model_type") in ("gemma3_text", "gemma3")
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or (1e6 if gemma3 else 10000.0))
+    # Phi-3 writes the factor beside `rope_scaling`, transformers 5 inside `rope_parameters`.
+    partial = float(params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0)
+    local_theta = raw.get("rope_local_base_freq") or (10000.0 if gemma3 else None)
+    local_scaling = None
+    if local is not None:
+        local_theta = float(local.pop("rope_theta", None) or local_theta or 10000.0)
+        local.pop("partial_rotary_factor", None)
+        local_scaling = _rope_scaling(local, raw)
+    return _Rope(
+        theta=theta,
+        scaling=_rope_scaling(params, raw),
+        partial_rotary_factor=partial,
+        local_theta=None if local_theta is None else float(local_theta),
+        local_scaling=local_scaling,
+    )
+
+
+def _rope_scaling(params: dict, raw: dict) -> dict | None:
+    """A RoPE scaling dict with "rope_type" set, and for LongRoPE the two lengths it needs as
+    transformers reads them (`original_max_position_embeddings` beside the dict wins, as Phi-3
+    writes it; `factor` defaults to max_position_embeddings / original); None for plain RoPE."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    # Phi-3's early names for LongRoPE (transformers maps "yarn" to it for Phi-3 only).
+    if rope_type == "su" or (rope_type == "yarn" and raw.get("model_type") == "phi3"):
+        rope_type = "longrope"
+    if rope_type == "default":
+        return None
+    scaling = {key: value for key, value in params.items() if key != "type"}
+    scaling["rope_type"] = rope_type
+    if rope_type == "longrope":
+        max_positions = raw.get("max_position_embeddings", 2048)
+        # Phi3Config's own default when the file has neither (transformers' standardisation).
+        fallback = 4096 if raw.get("model_type") == "phi3" else max_positions
+        original = (
+            raw.get("original_max_position_embeddings")
+            or scaling.get("original_max_position_embeddings")
+            or fallback
+        )
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_positions / original
+    return scaling
 
 
 def _sliding_windows(raw: dict, num_layers: int) -> tuple[int | None, ...]:
@@ -135,6 +227,12 @@ def _sliding_windows(raw: dict, num_layers: int) -> tuple[int | None, ...]:
     if types is None and raw.get("model_type") in ("qwen2", "qwen3") and "max_window_layers" in raw:
         first = raw["max_window_layers"]
         types = ["sliding_attention" if layer >= first else "full_attention" for layer in range(num_layers)]
+    if types is None and raw.get("sliding_window_pattern"):  # older Gemma 3 files: every n-th layer global
+        pattern = raw["sliding_window_pattern"]
+        types = [
+            "full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+            for layer in range(num_layers)
+        ]
     if types is None:
         return (window,) * num_layers
     return tuple(window if kind == "sliding_attention" else None for kind in types)

@@ -74,26 +74,64 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, *, dtype, device) -> None:
+    """With `residual`: returns (norm(x + residual), x + residual). `unit_offset` is Gemma's
+    RMSNorm: the features scaled by 1 + weight, in float32 before the one rounding to the
+    activations' dtype (Llama's scales the rounded normalised features by the weight)."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype, device, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = _empty(hidden_size, dtype=dtype, device=device)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if not self.unit_offset:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        scale = 1.0 + self.weight.float()
+        if x.dtype == torch.float32:  # one rounding either way: the kernels' norm is Gemma's
+            return kernels.rms_norm(x, scale, self.eps, residual)
+        if residual is not None:
+            x = residual = x + residual
+        x32 = x.float()
+        out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * scale).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+# The gated MLP's activations (a config's `hidden_act` / `hidden_activation`), applied to the
+# gate half of [T, 2 I] (gate | up) and multiplied by the up half.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] (gate | up) -> gelu(gate, tanh approximation) * up, as Gemma's MLP."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) over this rank's slice of the intermediate features:
+    """down(act(gate(x)) * up(x)) over this rank's slice of the intermediate features:
     column-parallel gate/up (one fused GEMM), row-parallel down. A dense layer's MLP, and each
-    expert of a sparse MoE block (which sums its experts before the ranks)."""
+    expert of a sparse MoE block (which sums its experts before the ranks). `activation`: SiLU
+    (Llama's and most families'), or Gemma's GELU with the tanh approximation."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, *, tp: TensorParallelGroup, dtype, device
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        tp: TensorParallelGroup,
+        dtype,
+        device,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
+        self.act_and_mul = kernels.silu_and_mul if activation == "silu" else gelu_tanh_and_mul
         self.tp = tp
         _, intermediate = even_split(intermediate_size, tp.rank, tp.size, "intermediate size")
         factory = dict(dtype=dtype, device=device)
@@ -102,7 +140,7 @@ class GatedMLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output (all of it with one rank)."""
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(x))

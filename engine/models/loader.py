@@ -19,10 +19,12 @@ from tqdm.auto import tqdm
 
 from berth.engine.models.config import ModelConfig
 from berth.engine.models.decoder import DecoderForCausalLM
+from berth.engine.models.gemma3 import Gemma3ForCausalLM
 from berth.engine.models.llama import LlamaForCausalLM
 from berth.engine.models.mistral import MistralForCausalLM
 from berth.engine.models.mixtral import MixtralForCausalLM
 from berth.engine.models.parallel import SINGLE, TensorParallelGroup
+from berth.engine.models.phi3 import Phi3ForCausalLM
 from berth.engine.models.qwen2 import Qwen2ForCausalLM
 from berth.engine.models.qwen3 import Qwen3ForCausalLM
 from berth.engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -32,9 +34,11 @@ logger = logging.getLogger(__name__)
 
 # A checkpoint's `architectures[0]` -> the family that serves it.
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

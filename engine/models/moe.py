@@ -33,7 +33,13 @@ class SparseMoeBlock(nn.Module):
         factory = dict(dtype=dtype, device=device)
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False, **factory)  # the router
         self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size, tp=tp, **factory)
+            GatedMLP(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                tp=tp,
+                activation=config.hidden_act,
+                **factory,
+            )
             for _ in range(config.num_experts)
         )
 

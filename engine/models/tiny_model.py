@@ -1,10 +1,10 @@
 """`berth make-tiny-model DIR`: a small random-weight checkpoint in Hugging Face format.
 
 Tests and the demo need a real checkpoint without a hub download: this writes a model of any
-family berth serves (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE), built by transformers'
-own config and model classes, with random weights and a byte-level BPE tokenizer trained on a
-built-in corpus (all 256 bytes are in its alphabet, so no text is out of vocabulary). The same
-seed gives the same files.
+family berth serves (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, Phi-3, Gemma 3), built
+by transformers' own config and model classes, with random weights and a byte-level BPE
+tokenizer trained on a built-in corpus (all 256 bytes are in its alphabet, so no text is out of
+vocabulary). The same seed gives the same files.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ FAMILIES = {
         "Qwen3MoeForCausalLM",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
     ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
 }
 
 
@@ -185,7 +187,13 @@ def make_tiny_model(
     if arch not in FAMILIES:
         raise ValueError(f"arch must be one of {', '.join(FAMILIES)}, got {arch!r}")
     config_name, model_name, family_fields = FAMILIES[arch]
-    if head_dim is not None or arch.startswith("qwen3"):  # Qwen3's default is 128, not hidden / heads
+    if arch == "gemma3":
+        # RoPE per layer type: `rope_scaling` goes to the global layers, `rope_local_base_freq`
+        # (a config field) sets the local layers' base.
+        local = {"rope_type": "default", "rope_theta": config_fields.pop("rope_local_base_freq", 10000.0)}
+        rope = {"full_attention": rope, "sliding_attention": local}
+    # Qwen3's default head_dim is 128 and Gemma 3's 256, not hidden / heads.
+    if head_dim is not None or arch.startswith("qwen3") or arch == "gemma3":
         common["head_dim"] = head_dim or hidden_size // num_heads
     config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
     config = config_class(**common, **{**family_fields, **config_fields}, rope_parameters=rope)

@@ -1,10 +1,12 @@
 """Where each tensor of a Hugging Face checkpoint goes in one rank's shard of a decoder model.
 
-Checkpoints name Q/K/V and gate/up separately; berth fuses each group into one parameter (one
-GEMM), so a checkpoint tensor lands in a slice of its fused parameter. A MoE layer's experts
-come one tensor per expert and projection (as transformers' save_pretrained writes them and the
-hub holds them), or as transformers holds them in memory, two 3-D tensors for all the experts,
-which are read expert by expert (`ExpertTensor`). A rank of a tensor-parallel world reads only
+Most checkpoints name Q/K/V and gate/up separately; berth fuses each group into one parameter
+(one GEMM), so a checkpoint tensor lands in a slice of its fused parameter. A checkpoint that
+holds them fused (Phi-3) is read as the separate tensors the others hold (`unfused`), so each
+part is sharded on its own. A MoE layer's experts come one tensor per expert and projection (as
+transformers' save_pretrained writes them and the hub holds them), or as transformers holds them
+in memory, two 3-D tensors for all the experts, which are read expert by expert
+(`ExpertTensor`). A rank of a tensor-parallel world reads only
 its shard of each tensor (`CheckpointTensor.read`), never the whole: heads for Q/K/V and o_proj,
 intermediate features for gate/up and down (each expert's too), vocabulary rows for the
 embedding and the LM head; norms and routers are whole on every rank.
@@ -71,6 +73,50 @@ def per_expert(name: str, source: CheckpointTensor) -> list[tuple[str, Checkpoin
     return tensors
 
 
+class RowSlice:
+    """Rows [first_row, first_row + num_rows) of a checkpoint tensor (a weight [out, in] or a
+    bias [out]): one part of a tensor fused on disk, read through it, only the part asked for."""
+
+    def __init__(self, source: CheckpointTensor, first_row: int, num_rows: int) -> None:
+        self.source, self.first_row = source, first_row
+        self.shape = (num_rows, *source.shape[1:])
+
+    def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+        region = [slice(None)] * len(self.shape)
+        if dim is not None:
+            region[dim] = slice(start, self.shape[dim] if length is None else start + length)
+        return self.read_region(tuple(region))
+
+    def read_region(self, region: tuple[slice, ...]) -> torch.Tensor:
+        rows = region[0].indices(self.shape[0])[:2]
+        absolute = slice(self.first_row + rows[0], self.first_row + rows[1])
+        return self.source.read_region((absolute, *region[1:]))
+
+
+def unfused(name: str, source: CheckpointTensor, config: ModelConfig) -> list[tuple[str, CheckpointTensor]]:
+    """A projection a checkpoint holds fused (Phi-3's `qkv_proj` [q + 2 kv, hidden] and dense
+    `gate_up_proj` [2 I, hidden], gate rows first) as the separate tensors other checkpoints
+    hold, so that each part is sharded on its own (a rank takes its heads of q, of k and of v,
+    not one block of the fused rows); any other tensor as it is."""
+    if name.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        if source.shape[0] != q + 2 * kv:
+            raise ValueError(f"{name}: {source.shape[0]} rows, the config's heads need {q} + 2 x {kv}")
+        parts = ((".q_proj.", 0, q), (".k_proj.", q, kv), (".v_proj.", q + kv, kv))
+        return [(name.replace(".qkv_proj.", fragment), RowSlice(source, *rows)) for fragment, *rows in parts]
+    if name.endswith(".gate_up_proj.weight") and ".experts." not in name and len(source.shape) == 2:
+        half = config.intermediate_size
+        if source.shape[0] != 2 * half:
+            raise ValueError(
+                f"{name}: {source.shape[0]} rows, the config's intermediate size needs 2 x {half}"
+            )
+        return [
+            (name.replace(".gate_up_proj.", ".gate_proj."), RowSlice(source, 0, half)),
+            (name.replace(".gate_up_proj.", ".up_proj."), RowSlice(source, half, half)),
+        ]
+    return [(name, source)]
+
+
 # checkpoint name fragment -> (our fused parameter, which slice of it)
 FUSED = {
     ".q_proj.": (".qkv_proj.", 0),
@@ -99,7 +145,13 @@ class WeightLayout:
         every parameter must be covered."""
         params = dict(model.named_parameters())
         loaded: dict[str, set[int]] = {}
-        for name, source in (part for named in weights for part in per_expert(*named)):
+        parts = (
+            part
+            for named in weights
+            for expert in per_expert(*named)
+            for part in unfused(*expert, self.config)
+        )
+        for name, source in parts:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:

@@ -6,7 +6,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from berth import __version__
-from berth.engine.serve import admin, chat, completions, health, models, tokenization
+from berth.engine.serve import admin, chat, completions, health, models, responses, tokenization
 from berth.engine.serve.admin_listener import AdminListener
 from berth.engine.serve.auth import Authentication
 from berth.engine.serve.body_limit import BodyLimit
@@ -26,7 +26,7 @@ def build_app(ctx: ServingContext, admin_port: int | None = None) -> FastAPI:
     )
     app.state.serving = ctx
     install_error_handlers(app)
-    for room in (models, completions, chat, tokenization, health, admin):
+    for room in (models, completions, chat, responses, tokenization, health, admin):
         app.include_router(room.router)
     # The last added runs first: which listener, who is asking, then how much they send, then
     # (while the engine loads) the loading gate, then the routes.

@@ -436,3 +436,150 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# ---- Responses API -------------------------------------------------------------------------------
+# OpenAI's `POST /v1/responses`, stateless (engine/serve/responses.py): the request is translated
+# into a chat completion's. Items, tools and `text` are objects of several shapes; responses.py
+# reads them and answers a 400 naming the field (`input[2].call_id`) for what it cannot serve.
+
+
+class ResponsesRequest(_Request):
+    model: str | None = Field(None, description="the served model name; omitted: the one model served")
+    input: str | list[dict[str, Any]] = Field(
+        description="a user message's text, or a list of messages and function_call(_output) items"
+    )
+    instructions: str | None = Field(None, description="a system message before the input")
+    max_output_tokens: Count | None = Field(None, description="null: up to the model's length")
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = Field(
+        None, description='function tools: {"type": "function", "name", "description", "parameters"}'
+    )
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = Field(
+        None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}'
+    )
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = Field(True, description="accepted; this server is stateless and stores nothing")
+    # Refused with a 400 naming them when they ask for something (responses.py).
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    background: bool = False
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tool_calls: int | None = Field(None, ge=1, le=INT64_MAX)
+    # vLLM's extensions, as on chat.
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1: no top-k filter")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    cache_salt: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    content: list[ResponseOutputText] = Field(default_factory=list)
+
+
+class ResponseFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text of an object
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class ResponseReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(BaseModel):
+    """A reasoning model's thinking (`--reasoning-parser`), as its text."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ResponseReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+ResponseOutputItem = Annotated[
+    ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionCall, Discriminator("type")
+]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+
+    @classmethod
+    def of(cls, usage: Usage) -> ResponseUsage:
+        details = usage.prompt_tokens_details or PromptTokensDetails()
+        return cls(
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=details.cached_tokens),
+        )
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's response object (what `client.responses.create` returns)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=_now)
+    completed_at: int | None = None
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: ErrorInfo | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[ResponseOutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)

@@ -46,3 +46,18 @@ def sse_response(
         yield DONE
 
     return EventSourceResponse(events(), headers={"Cache-Control": "no-cache"})
+
+
+def named_sse_response(events: AsyncIterator[tuple[str, str]], generation: Generation) -> EventSourceResponse:
+    """Named events, an `event:` line before each `data:` (OpenAI's Responses streams), and no
+    `data: [DONE]`: `events` yields (name, JSON text) and sends its errors as events of its own
+    (their shape is its API's)."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for name, data in events:
+                yield format_sse_event(event=name, data_str=_one_line(data))
+        finally:
+            generation.abort()  # as above: a client gone mid-stream stops its engine request
+
+    return EventSourceResponse(stream(), headers={"Cache-Control": "no-cache"})

@@ -1,4 +1,4 @@
-"""The cos/sin table and its Llama-3 frequency scaling."""
+"""The cos/sin table and its frequency scalings: Llama 3, linear, Phi-3's LongRoPE."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from berth.kernels.rope import rope_cos_sin_cache, rope_inverse_frequencies
+from berth.kernels.rope import rope_attention_factor, rope_cos_sin_cache, rope_inverse_frequencies
 
 LLAMA31_SCALING = {
     "rope_type": "llama3",
@@ -55,6 +55,48 @@ def test_llama3_scaling_matches_transformers():
     # transformers derives the base frequencies in float32, berth in float64: a few ulps apart.
     actual = rope_inverse_frequencies(128, 500000.0, LLAMA31_SCALING)
     torch.testing.assert_close(actual, expected, atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("max_position_embeddings", [4096, 131072])
+def test_longrope_and_its_attention_factor_match_transformers(max_position_embeddings):
+    """Phi-3's LongRoPE: the short and long factors' frequencies over a partial rotary dim, and
+    cos / sin scaled by the attention factor (1 when the context is not extended)."""
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import Phi3Config
+
+    short, long = [1.0 + i / 8 for i in range(24)], [2.0 + i for i in range(24)]
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "partial_rotary_factor": 0.75,
+    }
+    config = Phi3Config(
+        hidden_size=1024,
+        num_attention_heads=16,  # head_dim 64, rotary dim 48
+        max_position_embeddings=max_position_embeddings,
+        original_max_position_embeddings=4096,
+        rope_parameters={**scaling, "rope_theta": 10000.0},
+    )
+    berth_scaling = {
+        **scaling,
+        "original_max_position_embeddings": 4096,
+        "factor": max_position_embeddings / 4096,
+    }
+    for seq_len, is_long in ((None, False), (4097, True)):
+        expected, attention_factor = rope_utils.ROPE_INIT_FUNCTIONS["longrope"](
+            config, "cpu", seq_len=seq_len
+        )
+        assert torch.equal(rope_inverse_frequencies(48, 10000.0, berth_scaling, long=is_long), expected)
+        table = rope_cos_sin_cache(48, 5000, 10000.0, berth_scaling, long=is_long)
+        assert rope_attention_factor(berth_scaling) == pytest.approx(attention_factor, rel=1e-12)
+        torch.testing.assert_close(table[4999, :24], torch.cos(4999 * expected) * attention_factor)
+    assert (attention_factor == 1.0) == (max_position_embeddings == 4096)
+
+
+def test_linear_scaling_slows_every_frequency():
+    scaled = rope_inverse_frequencies(64, 10000.0, {"rope_type": "linear", "factor": 8.0})
+    torch.testing.assert_close(scaled, rope_inverse_frequencies(64, 10000.0) / 8)
 
 
 def test_unsupported_scaling_is_refused():
