@@ -1,4 +1,4 @@
-"""`berth bench {throughput,proxy,serve,sleep,wake}`."""
+"""`berth bench {throughput,proxy,serve,grammar,sleep,wake}`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ BENCHMARKS = {
     "throughput": ("berth.engine.bench.throughput", "offline throughput: berth vs transformers generate"),
     "proxy": ("berth.engine.bench.proxy", "the proxy + worker shape vs the in-process engine"),
     "serve": ("berth.engine.bench.serve", "load-test a running OpenAI-compatible server"),
+    "grammar": (
+        "berth.engine.bench.grammar",
+        "structured outputs: compile and mask times of the grammar engines (llguidance, xgrammar)",
+    ),
     "sleep": ("berth.engine.bench.sleep", "sleep / wakeup: time to PARKED and back, memory released"),
     "wake": (
         "berth.engine.bench.wake",

@@ -35,12 +35,24 @@ a generation server (`--role generation`) and the router (`berth serve --route`)
 them, each with the engine options of the single server; TTFT and ITL percentiles of the two
 shapes side by side. On one machine the two engines share its cores: this measures what the
 split costs there, not what it gains on separate GPUs.
+
+`--structured-output` measures constrained decoding: after the plain workload, on the same
+server, the same requests (prompts, number, concurrency, rate) go again with a JSON schema each
+(`response_format` json_schema; engine/bench/structured.py `array_schema`: an object with an
+array of exactly N integers in 100..999, N chosen so that the document is about the workload's
+mean output length, max_tokens above any such document's length), without ignore_eos, which a
+structured request may not use: each ends when its document is complete. TPOT and throughput of
+the two are printed side by side, with their ratios, and every constrained output that ended
+with finish_reason "stop" is checked against the schema (jsonschema): the count that validate
+is printed, and one that does not fails the benchmark, as does a run where none stopped. With
+`--rounds R` the two run in turn R times on the one server, and each keeps its fastest round.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -57,6 +69,7 @@ from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from berth.engine.bench.structured import array_items_for, array_schema, schema_problem
 from berth.engine.bench.workload import WorkItem, add_workload_arguments, describe_workload, make_workload
 
 LISTENING = "berth serve: listening on "
@@ -74,6 +87,16 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""  # the output, kept for a constrained request
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What each request of the constrained workload sends instead of ignore_eos."""
+
+    schema: dict[str, Any]
+    max_tokens: int  # the longest document's tokens: the schema, not the limit, ends the output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +164,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RATIO",
         help="the window's token ratio (with --batch-wait-timeout-ms)",
     )
+    parser.add_argument(
+        "--structured-output",
+        action="store_true",
+        help="then run the same requests on the same server, each constrained by a JSON schema, "
+        "and compare (TPOT, throughput; every output that stops is checked against the schema)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,6 +189,17 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     api_key = args.api_key or os.environ.get("BERTH_API_KEY") or None
+    constraint = constrained = None
+    if args.structured_output:
+        constraint = _constraint(tokenizer, workload)
+        constrained = Shape(
+            f"json_schema, {constraint.schema['properties']['values']['minItems']} integers", 0, 0
+        )
+        print(
+            f"structured output: response_format json_schema {json.dumps(constraint.schema)}; "
+            f"max_tokens {constraint.max_tokens}, no ignore_eos",
+            flush=True,
+        )
     shapes = [Shape("single-process server", 0, 0)]
     if args.disaggregated:
         shapes.append(Shape("context + generation servers behind the router", 0, 0, disaggregated=True))
@@ -178,13 +218,22 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.rounds if len(shapes) > 1 else 1):
             for shape in shapes:  # in turn, round after round: a drifting machine slows both alike
                 with _servers(args, shape) as urls:
-                    duration, results = asyncio.run(_benchmark(args, urls, api_key, workload))
-                    if not rounds:
-                        keepalive = asyncio.run(_keepalive_latency(urls[0], api_key))
-                rounds.append((shape, duration, results))
+                    # Constrained or not is the same server: its rounds run on it, in turn.
+                    for _ in range(args.rounds if constraint is not None else 1):
+                        duration, results = asyncio.run(_benchmark(args, urls, api_key, workload))
+                        if not rounds:
+                            keepalive = asyncio.run(_keepalive_latency(urls[0], api_key))
+                        rounds.append((shape, duration, results))
+                        if constraint is not None:  # the same requests, constrained
+                            duration, results = asyncio.run(
+                                _benchmark(args, urls, api_key, workload, constraint)
+                            )
+                            rounds.append((constrained, duration, results))
     except (RuntimeError, OSError) as error:
         print(f"berth bench serve: error: {error}", file=sys.stderr)
         return 1
+    if constrained is not None:
+        shapes.append(constrained)
     # Each shape's fastest round (by output throughput), as `bench throughput --rounds` counts.
     measured = [
         max((m for m in rounds if m[0] is shape), key=lambda m: sum(r.output_tokens for r in m[2]) / m[1])
@@ -196,12 +245,15 @@ def run(args: argparse.Namespace) -> int:
     for shape, duration, results in measured:
         _report(args, workload, duration, results, offline, title=shape.label if len(measured) > 1 else None)
     _report_keepalive(keepalive)
-    if len(measured) > 1:
+    valid = True
+    if constraint is not None:
+        valid = _report_structured(measured, constraint)
+    elif len(measured) > 1:
         _report_shapes(measured)
     if args.plot:
         _plot(args, measured[-1][2])  # the shape asked about (the only one, without --frontends)
         print(f"plot: {args.plot}")
-    return 0 if all(r.ok for _, _, results in measured for r in results) else 1
+    return 0 if valid and all(r.ok for _, _, results in measured for r in results) else 1
 
 
 @dataclass(frozen=True)
@@ -220,6 +272,14 @@ def _window_shape(args: argparse.Namespace) -> Shape:
         engine_args += ("--batch-wait-max-tokens-ratio", str(args.batch_wait_max_tokens_ratio))
         label += f", token ratio {args.batch_wait_max_tokens_ratio:g}"
     return Shape(label, 0, 0, engine_args)
+
+
+def _constraint(tokenizer, workload: list[WorkItem]) -> Constraint:
+    """The schema of the constrained workload: a document of about the workload's mean output
+    length."""
+    mean = sum(item.output_len for item in workload) / len(workload)
+    items, longest = array_items_for(tokenizer, mean)
+    return Constraint(array_schema(items), longest)
 
 
 def _describe(frontends: int, workers: int) -> str:
@@ -250,6 +310,15 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--disaggregated starts servers of its own: no --base-url, --frontends or postprocess workers"
     if args.disaggregated and args.batch_wait_timeout_ms is not None:
         return "--disaggregated and --batch-wait-timeout-ms are two comparisons: run them one at a time"
+    if args.structured_output and (
+        args.disaggregated
+        or args.batch_wait_timeout_ms is not None
+        or args.frontends
+        or args.num_postprocess_workers
+    ):
+        return "--structured-output is a comparison of its own: run it without the other comparisons"
+    if args.structured_output and importlib.util.find_spec("jsonschema") is None:
+        return "--structured-output checks every output with jsonschema: pip install jsonschema"
     window = args.batch_wait_timeout_ms
     if window is not None:
         if not 0 < window <= 1000:
@@ -374,9 +443,14 @@ def _server_process(command: list[str], env: dict[str, str], name: str) -> Itera
 
 
 async def _benchmark(
-    args: argparse.Namespace, base_urls: list[str], api_key: str | None, workload: list[WorkItem]
+    args: argparse.Namespace,
+    base_urls: list[str],
+    api_key: str | None,
+    workload: list[WorkItem],
+    constraint: Constraint | None = None,
 ) -> tuple[float, list[RequestResult]]:
-    """The workload, request i to server i % len(base_urls)."""
+    """The workload, request i to server i % len(base_urls); each constrained by `constraint`
+    when one is given."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -393,7 +467,9 @@ async def _benchmark(
         # Warm-up, on every server: first-call costs are not speed.
         warm = await asyncio.gather(
             *(
-                _one(client, model, WorkItem(item.prompt_token_ids[:8], 4))
+                # Constrained too: the grammar engine's tokenizer and the schema's compile are
+                # first-call costs.
+                _one(client, model, WorkItem(item.prompt_token_ids[:8], 4), constraint, warm_up=True)
                 for client in clients
                 for item in workload[:4]
             )
@@ -407,7 +483,7 @@ async def _benchmark(
 
         async def limited(client, item: WorkItem) -> RequestResult:
             async with gate:
-                return await _one(client, model, item)
+                return await _one(client, model, item, constraint)
 
         started = time.perf_counter()
         tasks = []
@@ -457,7 +533,9 @@ async def _model_name(client) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def _one(client, model: str, item: WorkItem) -> RequestResult:
+async def _one(
+    client, model: str, item: WorkItem, constraint: Constraint | None = None, *, warm_up: bool = False
+) -> RequestResult:
     body = {
         "model": model,
         "prompt": item.prompt_token_ids,
@@ -467,6 +545,14 @@ async def _one(client, model: str, item: WorkItem) -> RequestResult:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if constraint is not None:  # the schema ends it: no ignore_eos (a structured request may not)
+        del body["ignore_eos"]
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": constraint.schema},
+        }
+        if not warm_up:
+            body["max_tokens"] = constraint.max_tokens
     result = RequestResult(ok=False)
     started = time.perf_counter()
     last = None
@@ -484,6 +570,9 @@ async def _one(client, model: str, item: WorkItem) -> RequestResult:
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", ()):
+                    result.text += choice.get("text") or ""
+                    result.finish_reason = choice.get("finish_reason") or result.finish_reason
                 if any(choice.get("text") for choice in chunk.get("choices", ())):
                     now = time.perf_counter()
                     if last is None:
@@ -495,6 +584,11 @@ async def _one(client, model: str, item: WorkItem) -> RequestResult:
         result.error = f"{type(error).__name__}: {error}"
         return result
     result.e2e = time.perf_counter() - started
+    if constraint is not None:  # as long as its document is
+        result.ok = last is not None and result.output_tokens > 0
+        if not result.ok:
+            result.error = "no output"
+        return result
     if result.output_tokens != item.output_len:
         result.error = f"generated {result.output_tokens} tokens, expected {item.output_len}"
         return result
@@ -613,6 +707,50 @@ def _report_shapes(measured: list[tuple[Shape, float, list[RequestResult]]]) -> 
             for stat in ("Median", "P90", "P99"):
                 print(f"{f'{stat} {short} (ms):':<28}{1000 * before[stat]:>12.2f}{1000 * after[stat]:>12.2f}")
     print("-" * 52)
+
+
+def _report_structured(
+    measured: list[tuple[Shape, float, list[RequestResult]]], constraint: Constraint
+) -> bool:
+    """Constrained against unconstrained, on the same server in the same run; then whether every
+    constrained output that stopped is what the schema asks (False: one is not, or none stopped)."""
+    (_, plain_duration, plain), (_, duration, constrained) = measured
+
+    def throughput(seconds: float, rs: list[RequestResult]) -> float:
+        return sum(r.output_tokens for r in rs if r.ok) / seconds
+
+    tpots = (_percentiles(_tpots(plain)), _percentiles(_tpots(constrained)))
+    itls = [_percentiles([gap for r in rs if r.ok for gap in r.itls]) for rs in (plain, constrained)]
+    ttfts = [_percentiles([r.ttft for r in rs if r.ok]) for rs in (plain, constrained)]
+    print(f"{' json_schema-constrained vs unconstrained ':-^64}")
+    print(f"{'':<36}{'unconstrained':>14}{'json_schema':>14}")
+    print(f"{'Output throughput (tok/s):':<36}{throughput(plain_duration, plain):>14.2f}"
+          f"{throughput(duration, constrained):>14.2f}")  # fmt: skip
+    for stat in ("Mean", "Median", "P90", "P99"):
+        print(f"{f'{stat} TPOT (ms):':<36}{1000 * tpots[0][stat]:>14.2f}{1000 * tpots[1][stat]:>14.2f}")
+    print(f"{'Median ITL (ms):':<36}{1000 * itls[0]['Median']:>14.2f}{1000 * itls[1]['Median']:>14.2f}")
+    print(f"{'Median TTFT (ms):':<36}{1000 * ttfts[0]['Median']:>14.2f}{1000 * ttfts[1]['Median']:>14.2f}")
+    for stat in ("Median", "Mean"):
+        ratio = tpots[1][stat] / tpots[0][stat]
+        print(f"{f'{stat} TPOT ratio (json_schema / unconstrained):':<56}{ratio:>8.2f}")
+    ratio = throughput(duration, constrained) / throughput(plain_duration, plain)
+    print(f"{'Output throughput ratio (json_schema / unconstrained):':<56}{ratio:>8.2f}")
+    ok = [r for r in constrained if r.ok]
+    stopped = [r for r in ok if r.finish_reason == "stop"]
+    problems = [problem for r in stopped if (problem := schema_problem(r.text, constraint.schema))]
+    for label, count, total in (
+        ("Constrained outputs that stopped:", len(stopped), len(ok)),
+        ("Stopped outputs valid per the schema:", len(stopped) - len(problems), len(stopped)),
+    ):
+        print(f"{label:<56}{count:>8} of {total} ({100 * count / max(total, 1):.1f} %)")
+    for r in ok:
+        if r.finish_reason != "stop":
+            print(f"not stopped ({r.finish_reason}, {r.output_tokens} tokens): {r.text[:120]!r}")
+            break
+    for problem in problems[:3]:
+        print(f"invalid output: {problem}")
+    print("-" * 64)
+    return bool(stopped) and not problems
 
 
 def _report_keepalive(medians: dict[str, Any]) -> None:
