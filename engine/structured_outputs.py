@@ -180,3 +180,13 @@ class Grammars:
         rows = [(matcher, row) for row, matcher in enumerate(matchers)]
         self._executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, len(matchers))
         return bitmask
+
+
+def forbidden_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Row i: True for each token bitmask[i] does not allow (bool, [rows, vocab_size]). Numpy,
+    so the grammar thread makes it while the forward pass runs: one cheap unpack there, and the
+    sampler only fills -inf where it says."""
+    import numpy as np
+
+    as_bytes = bitmask.astype("<i4", copy=False).view(np.uint8)  # bit t of a row is bit t%8 of byte t//8
+    return np.unpackbits(as_bytes, axis=1, count=vocab_size, bitorder="little") == 0

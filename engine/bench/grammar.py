@@ -190,7 +190,7 @@ def _logits(batch: int, vocab_size: int):
 def _llguidance(args: argparse.Namespace, config, documents: list[list[int]]) -> Figures:
     from berth.engine.pyexecutor.grammar_masks import StepMasks
     from berth.engine.pyexecutor.sampler import _constrained
-    from berth.engine.structured_outputs import Grammars, StructuredOutputs
+    from berth.engine.structured_outputs import Grammars, StructuredOutputs, forbidden_tokens
 
     figures = Figures()
     grammars = Grammars(args.model, config.vocab_size, config.eos_token_ids)
@@ -224,8 +224,13 @@ def _llguidance(args: argparse.Namespace, config, documents: list[list[int]]) ->
             documents,
             lambda: grammars.fill_bitmask(matchers),
             advance,
-            # The sampler's whole masking: a copy of the logits, the rows' bits to -inf.
-            lambda bitmask: _constrained(logits, StepMasks(rows, bitmask, [None] * len(rows))),
+            # The masking as the engine does it: the bits unpacked (on its grammar thread), then
+            # the sampler's -inf in place (a request without logprobs: no copy).
+            lambda bitmask: _constrained(
+                logits,
+                StepMasks(rows, forbidden_tokens(bitmask, config.vocab_size), [None] * len(rows)),
+                copy=False,
+            ),
             "llguidance",
         )
 

@@ -17,16 +17,16 @@ import numpy as np
 from berth.engine.models.config import ModelConfig
 from berth.engine.pyexecutor.sequence import Sequence
 from berth.engine.sampling_params import SamplingParams
-from berth.engine.structured_outputs import Grammars
+from berth.engine.structured_outputs import Grammars, forbidden_tokens
 
 
 @dataclass
 class StepMasks:
     """What a step's sampler needs: the rows (of the step's samplers) that are constrained, and
-    for each either its bitmask row or why its matcher failed."""
+    for each either the tokens its grammar forbids now or why its matcher failed."""
 
     rows: list[int]
-    bitmask: np.ndarray  # [len(rows), words]
+    forbidden: np.ndarray  # [len(rows), vocab] bool
     errors: list[str | None]
 
 
@@ -73,7 +73,8 @@ class GrammarMasks:
             else:
                 errors.append(None)
             sequence.num_matched_tokens = len(output)
-        return StepMasks(rows, self._grammars.fill_bitmask([s.matcher for s in sequences]), errors)
+        bitmask = self._grammars.fill_bitmask([s.matcher for s in sequences])
+        return StepMasks(rows, forbidden_tokens(bitmask, self._grammars.vocab_size), errors)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from berth.engine.engine_io import TokenLogprobs
@@ -35,7 +34,8 @@ class Sampler:
     ) -> SampleOutput:
         """One token per row of `logits` [R, V] (float32), for `requests[r]`; the rows `masks`
         constrains (structured outputs) draw only what their grammar allows."""
-        out = self._sample_all(_constrained(logits, masks), requests, logits)
+        raw_wanted = any(r.params.logprobs is not None for r in requests)
+        out = self._sample_all(_constrained(logits, masks, copy=raw_wanted), requests, logits)
         for row, problem in zip(masks.rows, masks.errors) if masks is not None else ():
             if problem is not None:  # its output left the grammar: the request fails alone
                 out.token_ids[row], out.logprobs[row] = None, None
@@ -133,29 +133,26 @@ class Sampler:
             out[i] = (chosen_list[j], rank_list[j], list(zip(top_ids[j][:n], top_values[j][:n])))
 
 
-def _constrained(logits: torch.Tensor, masks: StepMasks | None) -> torch.Tensor:
-    """`logits` with each constrained row's disallowed tokens at -inf (a copy: the raw logits
-    still give the log-probabilities)."""
+def _constrained(logits: torch.Tensor, masks: StepMasks | None, copy: bool = True) -> torch.Tensor:
+    """`logits` with each constrained row's forbidden tokens at -inf: a copy when the raw
+    logits must still give log-probabilities, else in place (a full pass over the batch's
+    logits less)."""
     if masks is None:
         return logits
     keep = [i for i, problem in enumerate(masks.errors) if problem is None]
     if not keep:
         return logits
-    rows = torch.tensor([masks.rows[i] for i in keep], device=logits.device)
-    constrained = logits.clone()
-    constrained[rows] = _apply_bitmask(logits[rows], masks.bitmask[keep])
+    rows = [masks.rows[i] for i in keep]
+    forbidden = masks.forbidden if len(keep) == len(masks.rows) else masks.forbidden[keep]
+    forbidden = torch.from_numpy(forbidden).to(logits.device)
+    with torch.inference_mode():  # the model's logits are inference tensors: written in that mode
+        constrained = logits.clone() if copy else logits
+        if rows == list(range(len(logits))):
+            constrained.masked_fill_(forbidden, float("-inf"))
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            constrained[index] = constrained[index].masked_fill(forbidden, float("-inf"))
     return constrained
-
-
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
-def _apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
-    """`logits` with logits[r, t] at -inf where bit t of bitmask[r] is 0."""
-    vocab = logits.shape[-1]
-    words = torch.from_numpy(bitmask).to(logits.device)
-    allowed = ((words[:, :, None] >> _BITS.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
-    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,15 @@ import shutil
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
+import torch
 
 from berth.engine import LLM, SamplingParams
 from berth.engine.engine_io import RequestError
-from berth.engine.structured_outputs import Grammars, StructuredOutputs, grammar_problem
+from berth.engine.pyexecutor.grammar_masks import StepMasks
+from berth.engine.pyexecutor.sampler import _constrained
+from berth.engine.structured_outputs import Grammars, StructuredOutputs, forbidden_tokens, grammar_problem
 
 TEMPERATURES = (0.0, 0.7, 1.5)
 
@@ -184,3 +188,16 @@ def test_a_drained_sleep_finishes_structured_outputs_and_a_new_revision_brings_i
     for sequence in finished:
         assert sequence.finish_reason == "stop", sequence.text
         jsonschema.validate(json.loads(sequence.text), schema)
+
+
+def test_the_masks_forbid_what_the_bits_do_not_allow_in_the_constrained_rows_only() -> None:
+    bitmask = np.array([[0b101, -1], [-1, 0]], dtype=np.int32)  # row 0: tokens 0 and 2 of 0..31, 32..39
+    forbidden = forbidden_tokens(bitmask, 40)
+    assert forbidden[0].tolist() == [False, True, False] + [True] * 29 + [False] * 8
+    assert forbidden[1].tolist() == [False] * 32 + [True] * 8
+    logits = torch.zeros(3, 40)
+    masks = StepMasks([2], forbidden[:1], [None])
+    copied = _constrained(logits, masks, copy=True)  # a request wants log-probs: the raw stay
+    assert not logits.isinf().any() and copied[:2].eq(0).all()
+    assert copied[2].isinf().tolist() == forbidden[0].tolist()
+    assert _constrained(logits, masks, copy=False) is logits and logits[2].isinf().sum() == 30
