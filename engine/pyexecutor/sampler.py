@@ -35,11 +35,16 @@ class Sampler:
         """One token per row of `logits` [R, V] (float32), for `requests[r]`; the rows `masks`
         constrains (structured outputs) draw only what their grammar allows."""
         raw_wanted = any(r.params.logprobs is not None for r in requests)
-        out = self._sample_all(_constrained(logits, masks, copy=raw_wanted), requests, logits)
-        for row, problem in zip(masks.rows, masks.errors) if masks is not None else ():
-            if problem is not None:  # its output left the grammar: the request fails alone
-                out.token_ids[row], out.logprobs[row] = None, None
-                out.errors[row] = RuntimeError(problem)
+        problems = {} if masks is None else {row: p for row, p in zip(masks.rows, masks.errors) if p}
+        try:
+            constrained = _constrained(logits, masks, copy=raw_wanted)
+        except Exception as error:  # masks it cannot apply fail their requests, not the batch
+            constrained = logits
+            problems = {row: f"its grammar's mask could not be applied: {error!r}" for row in masks.rows}
+        out = self._sample_all(constrained, requests, logits)
+        for row, problem in problems.items():  # e.g. its output left the grammar: it fails alone
+            out.token_ids[row], out.logprobs[row] = None, None
+            out.errors[row] = RuntimeError(problem)
         return out
 
     def _sample_all(self, logits: torch.Tensor, requests: list[Sequence], raw: torch.Tensor) -> SampleOutput:

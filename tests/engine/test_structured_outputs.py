@@ -201,3 +201,19 @@ def test_the_masks_forbid_what_the_bits_do_not_allow_in_the_constrained_rows_onl
     assert not logits.isinf().any() and copied[:2].eq(0).all()
     assert copied[2].isinf().tolist() == forbidden[0].tolist()
     assert _constrained(logits, masks, copy=False) is logits and logits[2].isinf().sum() == 30
+
+
+def test_masks_the_sampler_cannot_apply_fail_their_rows_and_the_others_draw() -> None:
+    from berth.engine.pyexecutor.sampler import Sampler
+    from berth.engine.pyexecutor.sequence import Sequence
+
+    def row(index: int) -> Sequence:
+        greedy = SamplingParams(temperature=0)
+        return Sequence(index, 0, [1, 2], greedy, priority=0.5, max_tokens=4, arrival_time=0.0)
+
+    logits = torch.zeros(2, 40)
+    logits[0, 7] = 1.0
+    wrong_width = np.zeros((1, 39), dtype=bool)  # not the vocabulary's width
+    out = Sampler().sample(logits, [row(0), row(1)], StepMasks([1], wrong_width, [None]))
+    assert out.token_ids[0] == 7 and out.errors[0] is None
+    assert out.token_ids[1] is None and "could not be applied" in str(out.errors[1])
