@@ -28,6 +28,7 @@ from berth.engine.models.phi3 import Phi3ForCausalLM
 from berth.engine.models.qwen2 import Qwen2ForCausalLM
 from berth.engine.models.qwen3 import Qwen3ForCausalLM
 from berth.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from berth.engine.models.weights import RegionReader
 from berth.kernels.cpu_ops import gemm_path
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def checkpoint_digest(model_dir: str | Path) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-class StoredTensor:
+class StoredTensor(RegionReader):
     """One tensor of an open safetensors file, read when asked, and only the part asked for."""
 
     def __init__(
@@ -125,12 +126,6 @@ class StoredTensor:
         self.shape = tuple(self._slice.get_shape())
         self._progress = progress
         self._report = report
-
-    def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
-        region = [slice(None)] * len(self.shape)
-        if dim is not None:
-            region[dim] = slice(start, self.shape[dim] if length is None else start + length)
-        return self.read_region(tuple(region))
 
     def read_region(self, region: tuple[slice, ...]) -> torch.Tensor:
         """The part a slice per dim selects."""

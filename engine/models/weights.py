@@ -36,6 +36,21 @@ class CheckpointTensor(Protocol):
         """The part a slice per dim selects."""
 
 
+class RegionReader:
+    """A checkpoint tensor read through `read_region`: `read` is all of it, or a range of one dim."""
+
+    shape: tuple[int, ...]
+
+    def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+        region = [slice(None)] * len(self.shape)
+        if dim is not None:
+            region[dim] = slice(start, self.shape[dim] if length is None else start + length)
+        return self.read_region(tuple(region))
+
+    def read_region(self, region: tuple[slice, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class ExpertTensor:
     """Rows [first_row, first_row + num_rows) of expert `expert`'s matrix in a fused 3-D expert
     tensor [experts, rows, columns], read through it: only the part asked for."""
@@ -73,19 +88,13 @@ def per_expert(name: str, source: CheckpointTensor) -> list[tuple[str, Checkpoin
     return tensors
 
 
-class RowSlice:
+class RowSlice(RegionReader):
     """Rows [first_row, first_row + num_rows) of a checkpoint tensor (a weight [out, in] or a
     bias [out]): one part of a tensor fused on disk, read through it, only the part asked for."""
 
     def __init__(self, source: CheckpointTensor, first_row: int, num_rows: int) -> None:
         self.source, self.first_row = source, first_row
         self.shape = (num_rows, *source.shape[1:])
-
-    def read(self, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
-        region = [slice(None)] * len(self.shape)
-        if dim is not None:
-            region[dim] = slice(start, self.shape[dim] if length is None else start + length)
-        return self.read_region(tuple(region))
 
     def read_region(self, region: tuple[slice, ...]) -> torch.Tensor:
         rows = region[0].indices(self.shape[0])[:2]

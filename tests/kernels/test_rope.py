@@ -41,8 +41,8 @@ def test_llama3_scaling_bands():
 
 
 def test_llama3_scaling_matches_transformers():
-    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
     from transformers import LlamaConfig
+    from transformers import modeling_rope_utils as rope_utils
 
     config = LlamaConfig(
         hidden_size=4096,
@@ -61,8 +61,8 @@ def test_llama3_scaling_matches_transformers():
 def test_longrope_and_its_attention_factor_match_transformers(max_position_embeddings):
     """Phi-3's LongRoPE: the short and long factors' frequencies over a partial rotary dim, and
     cos / sin scaled by the attention factor (1 when the context is not extended)."""
-    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
     from transformers import Phi3Config
+    from transformers import modeling_rope_utils as rope_utils
 
     short, long = [1.0 + i / 8 for i in range(24)], [2.0 + i for i in range(24)]
     scaling = {

@@ -28,6 +28,7 @@ from tests.serve.server_process import (
     keyed_server,
     long_context_copy,
 )
+from tests.serve.test_serve_tool_calls import WEATHER as CHAT_WEATHER
 
 CITY_SCHEMA = {
     "type": "object",
@@ -38,12 +39,7 @@ CITY_SCHEMA = {
     "required": ["name", "population"],
     "additionalProperties": False,
 }
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+WEATHER_PARAMETERS = CHAT_WEATHER["function"]["parameters"]  # the chat tests' tool, flattened
 WEATHER = {
     "type": "function",
     "name": "get_weather",
